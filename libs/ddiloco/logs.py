@@ -1,0 +1,45 @@
+"""Structured logging: one place configures structlog for every ddiloco process.
+
+Every log line is a JSON object (or a readable line on a terminal) that carries the fields bound
+by the caller; services bind ``learner_id``, ``fragment`` and ``version`` where they apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+
+_CONFIGURED = False
+
+
+def configure(level: str | None = None, json: bool | None = None) -> None:
+    """Configure structlog once per process. ``DDILOCO_LOG_LEVEL`` / ``DDILOCO_LOG_JSON`` override."""
+    global _CONFIGURED
+    level = (level or os.environ.get("DDILOCO_LOG_LEVEL", "info")).upper()
+    if json is None:
+        env = os.environ.get("DDILOCO_LOG_JSON")
+        json = env != "0" if env is not None else not sys.stderr.isatty()
+    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level, logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _CONFIGURED = True
+
+
+def get_logger(name: str, **bound: Any) -> Any:
+    if not _CONFIGURED:
+        configure()
+    return structlog.get_logger(name).bind(**bound)

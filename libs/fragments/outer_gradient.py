@@ -1,0 +1,54 @@
+"""Flat fp32 fragment buffers and outer gradients.
+
+Every outer-gradient computation happens in fp32, whatever the parameters' dtype: measured on
+bf16 weights, subtracting two bf16 tensors rounds away about 99% of small per-step updates, so
+the learner keeps its base copy in fp32 and subtracts in fp32 before any codec touches the
+result. ``Delta = base - theta`` (the sign convention of DiLoCo: the outer optimizer subtracts
+``lr * Delta``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ddiloco.fragments.partition import Fragment
+
+
+def gather(fragment: Fragment, params: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the fragment's tensors, in order, into one flat fp32 CPU buffer."""
+    if out is None:
+        out = torch.empty(fragment.numel, dtype=torch.float32)
+    elif out.numel() != fragment.numel or out.dtype != torch.float32:
+        raise ValueError(f"out buffer must be fp32 with {fragment.numel} values")
+    for name, start, end in fragment.segments():
+        src = params[name].detach()
+        out[start:end].copy_(src.reshape(-1), non_blocking=False)
+    return out
+
+
+def scatter(fragment: Fragment, flat: torch.Tensor, params: Mapping[str, torch.Tensor]) -> None:
+    """Write a flat fp32 buffer back into the fragment's parameters (in place, their dtype)."""
+    if flat.numel() != fragment.numel:
+        raise ValueError(f"flat buffer has {flat.numel()} values, fragment {fragment.index} has {fragment.numel}")
+    with torch.no_grad():
+        for spec, (name, start, end) in zip(fragment.tensors, fragment.segments(), strict=True):
+            dst = params[name]
+            dst.copy_(flat[start:end].view(spec.shape).to(device=dst.device, dtype=dst.dtype))
+
+
+def outer_gradient(base: torch.Tensor, current: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Delta = base - current, computed in fp32 (inputs of lower precision are upcast first)."""
+    if base.shape != current.shape:
+        raise ValueError(f"shape mismatch: base {tuple(base.shape)} vs current {tuple(current.shape)}")
+    b = base if base.dtype == torch.float32 else base.float()
+    c = current if current.dtype == torch.float32 else current.float()
+    if out is None:
+        return torch.sub(b, c)
+    return torch.sub(b, c, out=out)
+
+
+def segment_views(fragment: Fragment, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like each tensor of the fragment."""
+    return [flat[s:e].view(spec.shape) for spec, (_, s, e) in zip(fragment.tensors, fragment.segments(), strict=True)]

@@ -1,0 +1,91 @@
+"""A fragment's values as a transfer, and a received transfer checked and decoded.
+
+``encode_fragment`` turns a flat fp32 buffer into chunks (codec, then chunking). ``decode_fragment``
+is the receiving side's single gate: it checks the transfer against the fragment layout (tensor
+names, shapes, dtypes, value count, size bound of the codec), decodes it, and refuses non-finite
+values, raising the typed error whose ``reason`` is the wire reject reason. Nothing that fails
+here ever reaches the global model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddiloco.fragments.chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, Transfer, TransferHeader, split
+from ddiloco.fragments.codec import Codec, Int8BlockCodec, make_codec
+from ddiloco.fragments.errors import (
+    CodecError,
+    DTypeMismatchError,
+    FragmentError,
+    NonFiniteError,
+    OversizedChunkError,
+    ShapeMismatchError,
+)
+from ddiloco.fragments.partition import Fragment, FragmentLayout
+
+
+def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, kind: str, version: int,
+                    transfer_id: int, layout_hash: str = "", sequence: int = 0, tokens: int = 0,
+                    steps: int = 0, learner_step: int = 0,
+                    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                    payload: bytes | None = None) -> list[Chunk]:
+    """Encode ``values`` (flat fp32, the fragment's concatenated tensors) as a chunked transfer.
+
+    ``payload`` may be passed when the caller already encoded the values (error feedback does).
+    """
+    if values.numel() != fragment.numel:
+        raise ShapeMismatchError(
+            f"fragment {fragment.index} has {fragment.numel} values, got a buffer of {values.numel()}")
+    header = TransferHeader(
+        kind=kind, fragment_id=fragment.index, version=version, codec=codec.name, tensors=fragment.tensors,
+        num_values=fragment.numel, sequence=sequence, tokens=tokens, steps=steps,
+        block_size=codec.block_size if isinstance(codec, Int8BlockCodec) else 0,
+        layout_hash=layout_hash, learner_step=learner_step,
+    )
+    data = payload if payload is not None else codec.encode(values)
+    return split(header, data, transfer_id=transfer_id, max_chunk_bytes=max_chunk_bytes)
+
+
+def check_header(header: TransferHeader, layout: FragmentLayout) -> Fragment:
+    """Validate a header against the layout; return the fragment it addresses."""
+    if not 0 <= header.fragment_id < layout.num_fragments:
+        err = FragmentError(f"fragment {header.fragment_id} does not exist (P={layout.num_fragments})")
+        err.reason = "UNKNOWN_FRAGMENT"
+        raise err
+    fragment = layout[header.fragment_id]
+    if len(header.tensors) != len(fragment.tensors) or header.num_values != fragment.numel:
+        raise ShapeMismatchError(
+            f"fragment {fragment.index}: {len(header.tensors)} tensors / {header.num_values} values, "
+            f"expected {len(fragment.tensors)} / {fragment.numel}")
+    for got, want in zip(header.tensors, fragment.tensors, strict=True):
+        if got.name != want.name or got.shape != want.shape:
+            raise ShapeMismatchError(
+                f"fragment {fragment.index}: tensor {got.name}{list(got.shape)} where "
+                f"{want.name}{list(want.shape)} was expected")
+        if got.dtype != want.dtype:
+            raise DTypeMismatchError(
+                f"fragment {fragment.index}: tensor {got.name} is {got.dtype}, expected {want.dtype}")
+    return fragment
+
+
+def decode_fragment(transfer: Transfer, layout: FragmentLayout, *, zstd_threads: int = 2) -> torch.Tensor:
+    """Check and decode a transfer into a flat fp32 tensor. Raises ``FragmentError`` subclasses."""
+    header = transfer.header
+    fragment = check_header(header, layout)
+    codec = make_codec(header.codec, threads=zstd_threads,
+                       int8_block=header.block_size if header.codec == "int8_block" and header.block_size else 256)
+    bound = codec.max_encoded_bytes(fragment.numel)
+    if len(transfer.payload) > bound:
+        raise OversizedChunkError(
+            f"fragment {fragment.index}: {len(transfer.payload)} payload bytes exceed the {header.codec} "
+            f"bound of {bound}")
+    try:
+        values = codec.decode(transfer.payload, fragment.numel)
+    except CodecError:
+        raise
+    except (ValueError, RuntimeError) as exc:
+        raise CodecError(f"fragment {fragment.index}: payload does not decode: {exc}") from exc
+    if not bool(torch.isfinite(values).all()):
+        bad = int((~torch.isfinite(values)).sum())
+        raise NonFiniteError(f"fragment {fragment.index}: {bad} non-finite values")
+    return values
