@@ -1,0 +1,207 @@
+"""Durable state: every merge is committed to the state dir before it is broadcast.
+
+Layout of the state dir::
+
+    meta.json                         run identity: fragment layout, model fingerprint, protocol
+    fragments/p0003/v000000000012.frag  one file per committed version of fragment 3
+
+Why one file per version (rather than an append-only log plus snapshots): fragments merge
+independently and concurrently, each commit is small (1/P of the model), and a version file is
+self-contained, so a commit is one atomic file creation (write to a temp name, fsync, rename,
+fsync the directory) and recovery is "take the newest file that verifies". Nothing ever has to be
+replayed or compacted, and the last few versions double as the history that re-anchoring of
+stale contributions needs. Files older than the retention are deleted after each commit.
+
+Each file holds a JSON header (fragment, version, merges, sizes) and the fp32 parameters and
+outer momentum, followed by an xxh3-128 digest of everything before it. A torn or partly
+written file fails the digest and is never loaded; temp files are removed at start-up.
+``meta.json`` is written last at genesis, so a state dir without it holds no state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from ddiloco.fragments.partition import Fragment, FragmentLayout, TensorSpec
+
+MAGIC = b"DDLOFRG1"
+_LEN = struct.Struct("<Q")
+META = "meta.json"
+
+
+class StateError(Exception):
+    """The state dir is unusable (belongs to another model, unreadable meta)."""
+
+
+@dataclass
+class FragmentRecord:
+    fragment: int
+    version: int
+    params: torch.Tensor
+    momentum: torch.Tensor
+    merges: int = 0
+    committed_at: float = 0.0
+
+
+def fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: pathlib.Path, data: bytes | list[bytes | memoryview]) -> None:
+    """Write via a temp file in the same folder, fsync, rename over ``path``, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    parts = [data] if isinstance(data, bytes | memoryview) else data
+    with open(tmp, "wb") as f:
+        for part in parts:
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def layout_to_json(layout: FragmentLayout) -> list[list[list]]:
+    return [[[t.name, list(t.shape), t.dtype] for t in frag.tensors] for frag in layout]
+
+
+def layout_from_json(doc: list[list[list]]) -> FragmentLayout:
+    return FragmentLayout(tuple(
+        Fragment(p, tuple(TensorSpec(n, tuple(s), d) for n, s, d in tensors)) for p, tensors in enumerate(doc)))
+
+
+class StateStore:
+    """Reads and writes the synchronizer's state dir."""
+
+    def __init__(self, root: str | pathlib.Path, *, keep_versions: int = 5) -> None:
+        self.root = pathlib.Path(root)
+        self.keep_versions = max(2, keep_versions)
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "fragments").mkdir(exist_ok=True)
+        self._remove_temp_files()
+
+    def _remove_temp_files(self) -> None:
+        for tmp in self.root.rglob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+    def _dir(self, fragment: int) -> pathlib.Path:
+        return self.root / "fragments" / f"p{fragment:04d}"
+
+    @staticmethod
+    def _name(version: int) -> str:
+        return f"v{version:012d}.frag"
+
+    # -- meta -----------------------------------------------------------------------------
+
+    def read_meta(self) -> dict | None:
+        path = self.root / META
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise StateError(f"{path} is unreadable: {exc}") from exc
+
+    def write_meta(self, *, layout: FragmentLayout, model_fingerprint: str, protocol: dict,
+                   owned: list[int]) -> None:
+        doc = {
+            "format": 1,
+            "layout_hash": layout.fingerprint,
+            "layout": layout_to_json(layout),
+            "model_fingerprint": model_fingerprint,
+            "protocol": protocol,
+            "owned_fragments": owned,
+            "created_unix": time.time(),
+        }
+        atomic_write(self.root / META, json.dumps(doc, indent=1).encode())
+
+    # -- fragments ------------------------------------------------------------------------
+
+    def commit(self, record: FragmentRecord) -> pathlib.Path:
+        """Durably write one fragment version; prune versions beyond the retention."""
+        folder = self._dir(record.fragment)
+        folder.mkdir(parents=True, exist_ok=True)
+        params = record.params.detach().contiguous().cpu().numpy().astype("<f4", copy=False)
+        momentum = record.momentum.detach().contiguous().cpu().numpy().astype("<f4", copy=False)
+        header = json.dumps({
+            "fragment": record.fragment, "version": record.version, "merges": record.merges,
+            "num_values": int(params.size), "committed_at": record.committed_at or time.time(),
+        }).encode()
+        h = xxhash.xxh3_128()
+        parts: list[bytes | memoryview] = [MAGIC, _LEN.pack(len(header)), header,
+                                           memoryview(params).cast("B"), memoryview(momentum).cast("B")]
+        for part in parts:
+            h.update(part)
+        parts.append(h.digest())
+        path = folder / self._name(record.version)
+        atomic_write(path, parts)
+        for old in self.versions(record.fragment)[:-self.keep_versions]:
+            (folder / self._name(old)).unlink(missing_ok=True)
+        return path
+
+    def versions(self, fragment: int) -> list[int]:
+        """Committed version numbers of a fragment on disk, ascending (unverified)."""
+        folder = self._dir(fragment)
+        if not folder.exists():
+            return []
+        out = []
+        for p in folder.glob("v*.frag"):
+            try:
+                out.append(int(p.stem[1:]))
+            except ValueError:
+                continue
+        return sorted(out)
+
+    def read(self, fragment: int, version: int, num_values: int) -> FragmentRecord | None:
+        """Load and verify one version file; None if it is missing, torn or corrupt."""
+        path = self._dir(fragment) / self._name(version)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        if len(blob) < len(MAGIC) + _LEN.size + 16 or blob[:len(MAGIC)] != MAGIC:
+            return None
+        if xxhash.xxh3_128_digest(memoryview(blob)[:-16]) != blob[-16:]:
+            return None
+        (hlen,) = _LEN.unpack_from(blob, len(MAGIC))
+        start = len(MAGIC) + _LEN.size
+        try:
+            header = json.loads(blob[start:start + hlen])
+        except json.JSONDecodeError:
+            return None
+        body = start + hlen
+        n = int(header["num_values"])
+        if n != num_values or header["fragment"] != fragment or header["version"] != version:
+            return None
+        if len(blob) != body + 8 * n + 16:
+            return None
+        params = torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body).copy())
+        momentum = torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body + 4 * n).copy())
+        return FragmentRecord(fragment, version, params, momentum, int(header.get("merges", 0)),
+                              float(header.get("committed_at", 0.0)))
+
+    def load_latest(self, fragment: int, num_values: int) -> tuple[FragmentRecord | None, list[FragmentRecord]]:
+        """The newest verifiable version and the older verifiable ones (history, ascending)."""
+        latest: FragmentRecord | None = None
+        history: list[FragmentRecord] = []
+        for version in reversed(self.versions(fragment)):
+            rec = self.read(fragment, version, num_values)
+            if rec is None:
+                continue
+            if latest is None:
+                latest = rec
+            else:
+                history.append(rec)
+        return latest, list(reversed(history))

@@ -1,0 +1,91 @@
+"""Who is there: learner records, their streams, and liveness.
+
+A learner is *live* (counts for quorums) while it has an open Sync stream and has been heard
+from within the heartbeat timeout. A dropped stream removes it from quorums at once. A new
+stream with the same learner id replaces the old one (the old stream is told to end), which is
+how a restarted or reconnected learner takes over its identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ddiloco.synchronizer.broadcast import Outbox
+
+
+@dataclass
+class LearnerRecord:
+    learner_id: str
+    outbox: Outbox
+    labels: dict[str, str] = field(default_factory=dict)
+    incarnation: int = 0
+    stream_id: int = 0
+    connected: bool = False
+    last_seen: float = 0.0
+    step: int = 0
+    tokens_total: int = 0
+    tokens_per_s: float = 0.0
+    step_time_s: float = 0.0
+    merged: int = 0
+    rejected: int = 0
+    superseded: int = 0
+    tokens_merged: int = 0
+    tokens_received: int = 0
+    held: dict[int, int] = field(default_factory=dict)
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Membership:
+    def __init__(self, *, heartbeat_timeout_s: float, max_control: int, max_learners: int) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_control = max_control
+        self.max_learners = max_learners
+        self.learners: dict[str, LearnerRecord] = {}
+        self._next_stream = 0
+
+    def attach(self, learner_id: str, now: float, incarnation: int, labels: dict[str, str]) -> LearnerRecord:
+        """A stream opened for ``learner_id``: (re)bind the record to it, ending any older stream."""
+        record = self.learners.get(learner_id)
+        if record is None:
+            if len(self.learners) >= self.max_learners:
+                self._forget_one_disconnected()
+            if len(self.learners) >= self.max_learners:
+                raise OverflowError(f"too many learners ({self.max_learners})")
+            record = LearnerRecord(learner_id, Outbox(self.max_control))
+            self.learners[learner_id] = record
+        else:
+            record.closing.set()
+            record.outbox.wake()
+            record.closing = asyncio.Event()
+        self._next_stream += 1
+        record.stream_id = self._next_stream
+        record.connected = True
+        record.last_seen = now
+        record.labels = dict(labels)
+        if incarnation != record.incarnation:
+            record.held = {}
+        record.incarnation = incarnation
+        return record
+
+    def detach(self, record: LearnerRecord, stream_id: int) -> bool:
+        """The stream ``stream_id`` ended; True if it was the learner's current stream."""
+        if record.stream_id != stream_id:
+            return False
+        record.connected = False
+        return True
+
+    def _forget_one_disconnected(self) -> None:
+        gone = [r for r in self.learners.values() if not r.connected]
+        if gone:
+            oldest = min(gone, key=lambda r: r.last_seen)
+            del self.learners[oldest.learner_id]
+
+    def is_live(self, record: LearnerRecord, now: float) -> bool:
+        return record.connected and now - record.last_seen <= self.heartbeat_timeout_s
+
+    def live(self, now: float) -> frozenset[str]:
+        return frozenset(lid for lid, r in self.learners.items() if self.is_live(r, now))
+
+    def connected(self) -> list[LearnerRecord]:
+        return [r for r in self.learners.values() if r.connected]

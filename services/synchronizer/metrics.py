@@ -1,0 +1,37 @@
+"""Prometheus metrics of the synchronizer, on a registry of its own (several may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class SynchronizerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.merges = Counter("ddiloco_sync_merges_total", "Merges committed", ["fragment"], registry=r)
+        self.quorum_size = Histogram("ddiloco_sync_quorum_size", "Contributions per merge",
+                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.grace_wait = Histogram("ddiloco_sync_grace_wait_seconds", "Grace window used per merge",
+                                    buckets=_TIME_BUCKETS, registry=r)
+        self.merge_seconds = Histogram("ddiloco_sync_merge_seconds", "Merge + outer step time",
+                                       buckets=_TIME_BUCKETS, registry=r)
+        self.commit_seconds = Histogram("ddiloco_sync_commit_seconds", "Durable commit time",
+                                        buckets=_TIME_BUCKETS, registry=r)
+        self.contributions = Counter("ddiloco_sync_contributions_total", "Contributions by outcome and reason",
+                                     ["outcome", "reason"], registry=r)
+        self.staleness = Histogram("ddiloco_sync_staleness_versions", "Versions behind at merge",
+                                   buckets=(0, 1, 2, 3, 4, 8, 16), registry=r)
+        self.bytes_in = Counter("ddiloco_sync_bytes_received_total", "Chunk payload bytes received", registry=r)
+        self.bytes_out = Counter("ddiloco_sync_bytes_sent_total", "Chunk payload bytes sent", registry=r)
+        self.version = Gauge("ddiloco_sync_fragment_version", "Current version per fragment", ["fragment"],
+                             registry=r)
+        self.live_learners = Gauge("ddiloco_sync_live_learners", "Learners counting for quorums", registry=r)
+        self.connected_learners = Gauge("ddiloco_sync_connected_learners", "Open Sync streams", registry=r)
+        self.dropped_results = Counter("ddiloco_sync_dropped_control_messages_total",
+                                       "Control messages dropped from full learner queues", registry=r)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_address[1])

@@ -1,0 +1,181 @@
+"""Scripted learners for synchronizer tests: real gRPC streams, hand-made contributions.
+
+A ``ScriptedLearner`` speaks the real protocol through ``ddiloco.learner.stream.SyncStream``
+against a real server on 127.0.0.1:0; the test decides exactly what each learner sends and when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import pathlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import torch
+
+from ddiloco.config import ProtocolConfig
+from ddiloco.fragments import wire
+from ddiloco.fragments.chunking import Transfer
+from ddiloco.fragments.codec import make_codec
+from ddiloco.fragments.partition import FragmentLayout, partition_tensors
+from ddiloco.fragments.payload import decode_fragment, encode_fragment
+from ddiloco.learner.stream import SyncStream, open_channel
+from ddiloco.synchronizer.config import SynchronizerConfig
+from ddiloco.synchronizer.policies import QuorumPolicy
+from ddiloco.synchronizer.server import SynchronizerServer
+
+MODEL_FINGERPRINT = "model-test"
+
+
+def toy_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "tok_emb.weight": torch.randn(16, 8, generator=g) * 0.02,
+        "blocks.0.attn.weight": torch.randn(8, 8, generator=g) * 0.02,
+        "blocks.0.mlp.weight": torch.randn(8, 16, generator=g) * 0.02,
+        "blocks.0.mlp.bias": torch.zeros(16),
+        "head.weight": torch.randn(16, 8, generator=g) * 0.02,
+    }
+
+
+def toy_protocol(**kw) -> ProtocolConfig:
+    base = dict(mode="decoupled", num_fragments=2, sync_every=4, overlap=1, max_chunk_bytes=4096,
+                global_codec="fp32")
+    base.update(kw)
+    return ProtocolConfig(**base)
+
+
+def sync_config(state_dir: pathlib.Path, **kw) -> SynchronizerConfig:
+    policy = kw.pop("policy", QuorumPolicy(quorum=1, grace_gamma=0.5, max_grace_s=0.5))
+    protocol = kw.pop("protocol", toy_protocol())
+    return SynchronizerConfig(listen="127.0.0.1:0", state_dir=str(state_dir), protocol=protocol, policy=policy,
+                              heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, **kw)
+
+
+@contextlib.asynccontextmanager
+async def running_server(cfg: SynchronizerConfig) -> AsyncIterator[SynchronizerServer]:
+    server = SynchronizerServer(cfg)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Wait until ``predicate()`` holds, polling; fail with ``what`` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class ScriptedLearner:
+    _incarnations = itertools.count(1)
+
+    def __init__(self, port: int, learner_id: str, *, params: dict[str, torch.Tensor] | None = None,
+                 protocol: ProtocolConfig | None = None, token: str | None = None) -> None:
+        self.learner_id = learner_id
+        self.protocol = protocol or toy_protocol()
+        self.params = params if params is not None else toy_params()
+        self.layout: FragmentLayout = partition_tensors(self.params, self.protocol.num_fragments)
+        self.channel = open_channel(f"127.0.0.1:{port}", max_message_bytes=self.protocol.max_chunk_bytes + (1 << 20))
+        self.stream = SyncStream(self.channel, max_chunk_bytes=self.protocol.max_chunk_bytes, token=token)
+        self.codec = make_codec("fp32")
+        self.sequence = itertools.count(1)
+        self.transfer_ids = itertools.count(1)
+        self.incarnation = next(self._incarnations)
+        self.welcome: wire.Welcome | None = None
+        self.results: list[wire.ContributionResult] = []
+        self.globals: list[Transfer] = []
+        self.control: list[object] = []
+        self._pump: asyncio.Task[None] | None = None
+        self.closed: Exception | None = None
+
+    def hello(self, **overrides) -> wire.Hello:
+        p = self.protocol
+        fields = dict(
+            learner_id=self.learner_id, model_fingerprint=MODEL_FINGERPRINT, layout_hash=self.layout.fingerprint,
+            protocol=wire.ProtocolParams(num_fragments=p.num_fragments, sync_every=p.sync_every,
+                                         overlap=p.overlap, max_chunk_bytes=p.max_chunk_bytes, mode=p.mode,
+                                         global_codec=p.global_codec),
+            incarnation=self.incarnation)
+        fields.update(overrides)
+        return wire.Hello(**fields)
+
+    async def connect(self, **hello_overrides) -> wire.Welcome:
+        self.welcome = await self.stream.open(self.hello(**hello_overrides))
+        return self.welcome
+
+    def start_pump(self) -> None:
+        self._pump = asyncio.create_task(self._pump_loop())
+
+    async def _pump_loop(self) -> None:
+        try:
+            while True:
+                msg = await self.stream.receive()
+                if isinstance(msg, Transfer):
+                    self.globals.append(msg)
+                elif isinstance(msg, wire.ContributionResult):
+                    self.results.append(msg)
+                else:
+                    self.control.append(msg)
+        except Exception as exc:
+            self.closed = exc
+
+    def flat(self, fragment: int) -> torch.Tensor:
+        frag = self.layout[fragment]
+        return torch.cat([self.params[name].reshape(-1).float() for name in frag.names])
+
+    async def upload_genesis(self) -> None:
+        for frag in self.layout:
+            chunks = encode_fragment(self.flat(frag.index), frag, codec=self.codec, kind="genesis", version=0,
+                                     transfer_id=next(self.transfer_ids), layout_hash=self.layout.fingerprint,
+                                     sequence=next(self.sequence), max_chunk_bytes=self.protocol.max_chunk_bytes)
+            await self.stream.send_transfer(chunks)
+
+    async def contribute(self, fragment: int, delta: torch.Tensor, *, base_version: int, tokens: int = 1000,
+                         steps: int = 4, **header_overrides) -> int:
+        frag = self.layout[fragment]
+        seq = next(self.sequence)
+        chunks = encode_fragment(delta.float(), frag, codec=self.codec, kind="contribution", version=base_version,
+                                 transfer_id=next(self.transfer_ids), layout_hash=self.layout.fingerprint,
+                                 sequence=seq, tokens=tokens, steps=steps,
+                                 max_chunk_bytes=self.protocol.max_chunk_bytes)
+        if header_overrides:
+            chunks[0] = dataclasses.replace(chunks[0], header=dataclasses.replace(chunks[0].header, **header_overrides))
+        await self.stream.send_transfer(chunks)
+        return seq
+
+    async def heartbeat(self, step: int = 1, step_time_s: float = 0.1) -> None:
+        await self.stream.send(wire.Heartbeat(step=step, tokens_total=step * 100, tokens_per_s=1000.0,
+                                              step_time_s=step_time_s))
+
+    def result_for(self, sequence: int) -> wire.ContributionResult | None:
+        return next((r for r in self.results if r.sequence == sequence), None)
+
+    async def wait_result(self, sequence: int, timeout_s: float = 10.0) -> wire.ContributionResult:
+        await eventually(lambda: self.result_for(sequence) is not None, timeout_s,
+                         f"result of contribution {sequence} at {self.learner_id}")
+        result = self.result_for(sequence)
+        assert result is not None
+        return result
+
+    def latest_global(self, fragment: int) -> Transfer | None:
+        mine = [t for t in self.globals if t.header.fragment_id == fragment]
+        return max(mine, key=lambda t: t.header.version) if mine else None
+
+    def decode(self, transfer: Transfer) -> torch.Tensor:
+        return decode_fragment(transfer, self.layout)
+
+    async def close(self, goodbye: str | None = None) -> None:
+        await self.stream.close(goodbye)
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pump
+        await self.channel.close()

@@ -1,0 +1,241 @@
+"""The synchronizer over real gRPC on 127.0.0.1:0, driven by scripted learners.
+
+Covers genesis and FetchState, quorum K of M, merging as soon as every live learner contributed,
+the grace window admitting a late learner and excluding a later one, re-anchoring of a stale
+contribution (checked against hand-computed Nesterov/RDA numbers), and supersession.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from ddiloco.synchronizer.policies import QuorumPolicy
+from tests.scripted import ScriptedLearner, eventually, running_server, sync_config, toy_params
+
+
+async def _ready(server, *learner_ids, step_time_s=0.1):
+    """Connect learners; the first uploads genesis; all pump messages and heartbeat once."""
+    learners = []
+    for i, lid in enumerate(learner_ids):
+        learner = ScriptedLearner(server.port, lid)
+        welcome = await learner.connect()
+        if i == 0:
+            assert welcome.state == "genesis_requested"
+            await learner.upload_genesis()
+            await eventually(lambda: server.engine.ready, what="genesis commit")
+        else:
+            assert welcome.state == "ready"
+        learner.start_pump()
+        await learner.heartbeat(step_time_s=step_time_s)
+        learners.append(learner)
+    await eventually(lambda: len(server.engine.membership.live(server.engine.clock())) == len(learner_ids),
+                     what="all learners live")
+    return learners
+
+
+def _delta(seed: int, learner: ScriptedLearner, fragment: int, scale: float = 0.01) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(learner.layout[fragment].numel, generator=g) * scale
+
+
+async def test_genesis_then_fetch_state_returns_the_uploaded_parameters(tmp_path):
+    async with running_server(sync_config(tmp_path)) as server:
+        first = ScriptedLearner(server.port, "a")
+        assert (await first.connect()).state == "genesis_requested"
+        second = ScriptedLearner(server.port, "b")
+        assert (await second.connect()).state == "genesis_pending"
+        await first.upload_genesis()
+        await eventually(lambda: server.engine.ready, what="genesis commit")
+        fetched = await second.stream.fetch_state("b")
+        assert sorted(t.header.fragment_id for t in fetched) == [0, 1]
+        for t in fetched:
+            assert t.header.version == 0
+            torch.testing.assert_close(second.decode(t), first.flat(t.header.fragment_id), rtol=0, atol=0)
+        assert (tmp_path / "meta.json").exists()
+        for lr in (first, second):
+            await lr.close()
+
+
+async def test_fetch_state_before_genesis_is_failed_precondition(tmp_path):
+    import grpc
+
+    from ddiloco.learner.stream import StreamClosed
+
+    async with running_server(sync_config(tmp_path)) as server:
+        learner = ScriptedLearner(server.port, "a")
+        with pytest.raises(StreamClosed) as info:
+            await learner.stream.fetch_state("a")
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        await learner.close()
+
+
+async def test_merges_at_once_when_every_live_learner_contributed(tmp_path):
+    # Huge grace (step time 10 s) so only the "all contributed" rule can explain a fast merge.
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.9, max_grace_s=30.0))
+    async with running_server(cfg) as server:
+        a, b = await _ready(server, "a", "b", step_time_s=10.0)
+        t0 = asyncio.get_running_loop().time()
+        sa = await a.contribute(0, _delta(1, a, 0), base_version=0, tokens=1000, steps=4)
+        sb = await b.contribute(0, _delta(2, b, 0), base_version=0, tokens=3000, steps=4)
+        ra, rb = await a.wait_result(sa), await b.wait_result(sb)
+        assert asyncio.get_running_loop().time() - t0 < 5.0
+        assert ra.outcome == rb.outcome == "merged" and ra.version == rb.version == 1
+        # w = tok * tok/steps: 1000^2/4 : 3000^2/4 = 1 : 9
+        assert math.isclose(ra.weight, 0.1, rel_tol=1e-9) and math.isclose(rb.weight, 0.9, rel_tol=1e-9)
+        await eventually(lambda: a.latest_global(0) is not None and b.latest_global(0) is not None,
+                         what="broadcast of version 1")
+        assert a.latest_global(0).header.version == 1
+        assert server.engine.fragments[0].version == 1 and server.engine.fragments[1].version == 0
+        for lr in (a, b):
+            await lr.close()
+
+
+async def test_quorum_k_of_m_waits_for_k_then_grace(tmp_path):
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=2, grace_gamma=0.5, max_grace_s=0.3))
+    async with running_server(cfg) as server:
+        a, b, c = await _ready(server, "a", "b", "c", step_time_s=1.0)
+        sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        await asyncio.sleep(0.8)  # well past any grace: only the quorum holds the merge back
+        assert server.engine.fragments[0].version == 0 and a.result_for(sa) is None
+        sb = await b.contribute(0, _delta(2, b, 0), base_version=0)
+        ra, rb = await a.wait_result(sa), await b.wait_result(sb)
+        assert ra.outcome == rb.outcome == "merged" and ra.version == 1
+        assert server.engine.fragments[0].last_quorum_size == 2
+        for lr in (a, b, c):
+            await lr.close()
+
+
+async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_reanchored(tmp_path):
+    # grace = clamp(0.9 * (tau=1 * step 1.5 s - 0 - sync), 0, 5) ~ 1.35 s
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.9, max_grace_s=5.0),
+                      stale_round_s=0.2, outer_lr=0.7, outer_momentum=0.9)
+    async with running_server(cfg) as server:
+        a, b, c = await _ready(server, "a", "b", "c", step_time_s=1.5)
+        theta0 = server.engine.fragments[0].params.clone()
+        da, db, dc = _delta(1, a, 0), _delta(2, b, 0), _delta(3, c, 0)
+        sa = await a.contribute(0, da, base_version=0)
+        await asyncio.sleep(0.3)
+        sb = await b.contribute(0, db, base_version=0)
+        ra = await a.wait_result(sa, timeout_s=10)
+        rb = await b.wait_result(sb)
+        assert ra.version == rb.version == 1 and server.engine.fragments[0].last_quorum_size == 2
+        theta1 = server.engine.fragments[0].params.clone()
+        # c was computed against version 0 and arrives after the merge: staleness 1, re-anchored.
+        sc = await c.contribute(0, dc, base_version=0)
+        rc = await c.wait_result(sc)
+        assert rc.outcome == "merged" and rc.version == 2 and rc.staleness == 1
+        # Hand-computed: merge of A,B (RDA per tensor, equal weights), Nesterov, then C re-anchored.
+        from ddiloco.synchronizer.merge import embedding_mask, merge_deltas
+
+        spec = server.engine.fragments[0].spec
+        segs = [(s, e) for _, s, e in spec.segments()]
+        emb = embedding_mask(spec, cfg.embedding_patterns)
+        d1 = merge_deltas(torch.stack([da, db]), [0.5, 0.5], segs, emb, "rda")
+        buf = d1.clone()
+        expect1 = theta0 - 0.7 * (d1 + 0.9 * buf)
+        torch.testing.assert_close(theta1, expect1, rtol=1e-5, atol=1e-7)
+        anchored = dc + (theta1 - theta0)
+        d2 = merge_deltas(anchored[None], [1.0], segs, emb, "rda")
+        buf = 0.9 * buf + d2
+        expect2 = theta1 - 0.7 * (d2 + 0.9 * buf)
+        torch.testing.assert_close(server.engine.fragments[0].params, expect2, rtol=1e-5, atol=1e-7)
+        for lr in (a, b, c):
+            await lr.close()
+
+
+async def test_newer_contribution_supersedes_the_older_one(tmp_path):
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=2, grace_gamma=0.0, max_grace_s=0.0))
+    async with running_server(cfg) as server:
+        a, b, _c = await _ready(server, "a", "b", "c")
+        s1 = await a.contribute(0, _delta(1, a, 0), base_version=0, tokens=100)
+        s2 = await a.contribute(0, _delta(2, a, 0), base_version=0, tokens=200)
+        r1 = await a.wait_result(s1)
+        assert r1.outcome == "superseded"
+        sb = await b.contribute(0, _delta(3, b, 0), base_version=0)
+        r2, rb = await a.wait_result(s2), await b.wait_result(sb)
+        assert r2.outcome == rb.outcome == "merged"
+        status = server.engine.status()
+        by_id = {ls.learner_id: ls for ls in status.learners}
+        assert by_id["a"].superseded == 1 and by_id["a"].merged == 1
+        for lr in (a, b, _c):
+            await lr.close()
+
+
+async def test_dropped_stream_leaves_the_quorum_at_once(tmp_path):
+    # K=0 (all live): with b gone, a alone is "all live" and merges immediately.
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=0, grace_gamma=0.0, max_grace_s=0.0, timeout_s=60))
+    async with running_server(cfg) as server:
+        a, b = await _ready(server, "a", "b")
+        sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        await asyncio.sleep(0.3)
+        assert a.result_for(sa) is None
+        await b.close()
+        ra = await a.wait_result(sa, timeout_s=5)
+        assert ra.outcome == "merged"
+        await a.close()
+
+
+async def test_reconnect_with_same_id_replaces_old_stream_and_gets_results(tmp_path):
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=2, grace_gamma=0.0, max_grace_s=0.0))
+    async with running_server(cfg) as server:
+        a, b = await _ready(server, "a", "b")
+        sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        # a's process reconnects (same incarnation) on a new stream; the old one is ended.
+        a2 = ScriptedLearner(server.port, "a")
+        a2.incarnation = a.incarnation
+        await a2.connect()
+        a2.start_pump()
+        await a2.heartbeat()
+        await eventually(lambda: a.closed is not None, what="old stream ended")
+        sb = await b.contribute(0, _delta(2, b, 0), base_version=0)
+        assert (await b.wait_result(sb)).outcome == "merged"
+        r = await a2.wait_result(sa)
+        assert r.outcome == "merged"
+        for lr in (a, a2, b):
+            await lr.close()
+
+
+async def test_slow_receiver_only_gets_newest_version_and_does_not_slow_others(tmp_path):
+    from ddiloco.synchronizer.broadcast import GlobalTransfer, Outbox
+
+    box = Outbox(max_control=16)
+    for v in range(1, 6):
+        box.put_global(GlobalTransfer(0, v, ()))
+    box.put_global(GlobalTransfer(1, 1, ()))
+    assert box.pending() == 2 and box.replaced == 4
+    first = box.pop_nowait()
+    assert isinstance(first, GlobalTransfer) and (first.fragment, first.version) == (0, 5)
+    # control queue is bounded: oldest results dropped beyond the bound
+    from ddiloco.fragments.wire import ContributionResult, Resync
+
+    box.put_control(Resync(fragment_ids=(0,)))
+    for i in range(40):
+        box.put_control(ContributionResult(sequence=i, fragment_id=0, outcome="merged"))
+    assert box.dropped == 40 + 1 - 16
+    assert isinstance(box.pop_nowait(), Resync)  # resync is never dropped
+
+
+async def test_status_reports_learners_fragments_and_rejections(tmp_path):
+    from ddiloco.synchronizer.status_cli import render
+
+    cfg = sync_config(tmp_path)
+    async with running_server(cfg) as server:
+        a, = await _ready(server, "a")
+        bad = torch.full((a.layout[1].numel,), float("nan"))
+        s = await a.contribute(1, bad, base_version=0)
+        assert (await a.wait_result(s)).reason == "non_finite"
+        status = await a.stream.status()
+        assert status.state == "ready" and status.learners[0].learner_id == "a"
+        assert status.rejected_by_reason == {"non_finite": 1}
+        assert [f.version for f in status.fragments] == [0, 0]
+        text = render(status)
+        assert "non_finite=1" in text and "a" in text
+        await a.close()
+
+
+def test_params_helper_is_deterministic():
+    torch.testing.assert_close(toy_params(3)["head.weight"], toy_params(3)["head.weight"])
