@@ -51,8 +51,10 @@ class ProtocolConfig:
             raise ValueError(f"overlap must satisfy 0 <= tau < H, got tau={self.overlap}, H={self.sync_every}")
         if not 1024 <= self.max_chunk_bytes <= 64 * 1024 * 1024:
             raise ValueError(f"max_chunk_bytes must be in 1 KiB..64 MiB, got {self.max_chunk_bytes}")
-        if self.mode == "diloco" and (self.num_fragments != 1 or self.overlap != 0):
-            raise ValueError("diloco mode needs num_fragments=1 and overlap=0 (use protocol_for_mode)")
+        if self.mode == "diloco":
+            # The preset: one fragment (the whole model), no overlap. Whatever P/tau were given.
+            object.__setattr__(self, "num_fragments", 1)
+            object.__setattr__(self, "overlap", 0)
 
 
 def protocol_for_mode(mode: str, base: ProtocolConfig | None = None) -> ProtocolConfig:

@@ -39,7 +39,9 @@ _OUTCOMES = {"merged": pb.CONTRIBUTION_OUTCOME_MERGED, "rejected": pb.CONTRIBUTI
              "superseded": pb.CONTRIBUTION_OUTCOME_SUPERSEDED}
 _OUTCOMES_BY_VALUE = {v: k for k, v in _OUTCOMES.items()}
 REJECT_REASONS = tuple(
-    name.removeprefix("REJECT_REASON_").lower() for name in pb.RejectReason if not name.endswith("UNSPECIFIED")
+    name.removeprefix("REJECT_REASON_").lower()
+    for name in pb.RejectReason.keys()  # noqa: SIM118 - an enum wrapper, not a dict
+    if not name.endswith("UNSPECIFIED")
 )
 
 
