@@ -59,6 +59,8 @@ class SynchronizerConfig:
     """Number of synchronizer shards."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (None: off; 0: a free port)."""
+    merge_log: str | None = None
+    """Append one JSON line per merge (and one per start) to this file."""
     keepalive_time_s: float = 20.0
     """gRPC keepalive ping interval."""
     keepalive_timeout_s: float = 10.0

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -101,6 +102,8 @@ class Engine:
         self._quorum_time = RunningAverage(0.2)
         self._sync_time = RunningAverage(0.2)
         self.merge_log: list[dict[str, Any]] = []
+        self._merge_log_file = open(cfg.merge_log, "a", buffering=1) if cfg.merge_log else None  # noqa: SIM115
+        self._log_event({"event": "sync_start", "t": wall(), "synchronizer_id": self.synchronizer_id})
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -161,6 +164,9 @@ class Engine:
             rec.closing.set()
             rec.outbox.wake()
         self.pool.shutdown(wait=True)
+        if self._merge_log_file is not None:
+            self._merge_log_file.close()
+            self._merge_log_file = None
 
     async def run_blocking(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
@@ -220,7 +226,8 @@ class Engine:
             self.metrics.dropped_results.inc(rec.outbox.dropped - before)
 
     def record_merge(self, fragment: int, version: int, quorum: int, grace_s: float, merge_s: float,
-                     commit_s: float, sync_s: float, quorum_time_s: float, staleness: list[int]) -> None:
+                     commit_s: float, sync_s: float, quorum_time_s: float, staleness: list[int],
+                     learners: list[str]) -> None:
         self.merges_total += 1
         self._sync_time.update(sync_s)
         self._quorum_time.update(quorum_time_s)
@@ -230,10 +237,16 @@ class Engine:
         m.grace_wait.observe(grace_s)
         m.merge_seconds.observe(merge_s)
         m.commit_seconds.observe(commit_s)
-        self.merge_log.append({"t": self.wall(), "fragment": fragment, "version": version, "quorum": quorum,
-                               "grace_s": grace_s, "sync_s": sync_s, "staleness": staleness})
+        entry = {"event": "merge", "t": self.wall(), "fragment": fragment, "version": version, "quorum": quorum,
+                 "learners": learners, "grace_s": grace_s, "sync_s": sync_s, "staleness": staleness}
+        self.merge_log.append(entry)
         if len(self.merge_log) > 100_000:
             del self.merge_log[:50_000]
+        self._log_event(entry)
+
+    def _log_event(self, entry: dict[str, Any]) -> None:
+        if self._merge_log_file is not None:
+            self._merge_log_file.write(json.dumps(entry, separators=(",", ":")) + "\n")
 
     # -- sessions -------------------------------------------------------------------------
 

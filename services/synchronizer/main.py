@@ -20,7 +20,7 @@ def config_from_args(args: argparse.Namespace) -> SynchronizerConfig:
     section = dict(data.get("synchronizer") or {})
     if "protocol" in data:
         section.setdefault("protocol", data["protocol"])
-    for key in ("listen", "state_dir", "metrics_port"):
+    for key in ("listen", "state_dir", "metrics_port", "merge_log"):
         value = getattr(args, key)
         if value is not None:
             section[key] = value
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("decoupled", "streaming", "diloco"), help="mode preset")
     parser.add_argument("--quorum", type=int, help="minimum quorum K (0 = all live learners)")
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port")
+    parser.add_argument("--merge-log", dest="merge_log", help="append one JSON line per merge here")
     parser.add_argument("--ready-file", help="write {port, ...} JSON here once serving (for orchestration)")
     args = parser.parse_args(argv)
     configure()

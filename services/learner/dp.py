@@ -1,0 +1,66 @@
+"""``ddiloco run --mode dp``: the data-parallel reference.
+
+One process trains one model on the combined batch of all learners (batch_size * learners), for
+the same number of steps, hence the same tokens, with the same model, data, schedule and inner
+optimizer. Its eval loss is the reference that every other mode is measured against. It writes
+the same event log format as a learner (with every step counted as reaching the model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+from typing import Any
+
+import torch
+
+from ddiloco.learner.config import load_learner_config
+from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
+from ddiloco.learner.events import EventLog
+from ddiloco.learner.inner_loop import InnerLoop, evaluate, resolve_device
+from ddiloco.learner.model import build_model, num_params
+
+
+def run_dp(doc: dict[str, Any], out: pathlib.Path, show_progress: bool = False) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    n = int(doc["run"]["learners"])
+    cfg = load_learner_config(str(out / "config.yaml"), learner_id="dp")
+    data = dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * n)
+    torch.set_num_threads(cfg.train.threads or __import__("os").cpu_count() or 1)
+    device = resolve_device(cfg.train.device)
+    corpus = load_corpus(cfg.data)
+    shard = TokenShard(corpus.train, 0, 1)
+    generator = shard_generator(cfg.data.seed * 1_000_003 + cfg.train.seed, 0)
+    evals = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, cfg.train.eval_batches)
+    model = build_model(cfg.model, cfg.train.seed)
+    inner = InnerLoop(model, cfg.train, device)
+    (out / "learners").mkdir(exist_ok=True)
+    events = EventLog(str(out / "learners" / "dp.jsonl"), learner_id="dp", incarnation=1)
+    events.emit("start", num_fragments=1, fragment_sizes=[num_params(model)], params=num_params(model),
+                genesis=True, mode="dp")
+    started = time.time()
+    tokens = 0
+    batch_tokens = data.batch_size * data.context
+    steps = cfg.train.steps
+    for step in tqdm(range(1, steps + 1), disable=not show_progress, desc=f"dp x{n}", unit="step"):
+        x, y = shard.sample_batch(generator, data.batch_size, data.context)
+        loss, step_s = inner.step(x, y)
+        tokens += batch_tokens
+        events.emit("step", step=step, loss=loss, tokens=tokens, step_s=step_s, blocked_s=0.0)
+        # one "merged contribution" per step: all of a dp step's progress is in the model at once
+        events.emit("send", step=step, fragment=0, sequence=step, base_version=step - 1, tokens=batch_tokens,
+                    steps=1, from_step=step, to_step=step)
+        events.emit("result", sequence=step, fragment=0, outcome="merged", version=step, reason="", weight=1.0,
+                    staleness=0)
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
+            events.emit("eval", step=step, tokens=tokens, loss=inner.evaluate(evals))
+    final_batches = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context,
+                                 int(doc["run"]["final_eval_batches"]))
+    final = evaluate(inner.model, final_batches, device)
+    events.emit("eval", step=steps, tokens=tokens, loss=inner.evaluate(evals))
+    wall = time.time() - started
+    events.emit("end", step=steps, tokens=tokens, eval_loss=final, wall_s=wall, blocked_s=0.0)
+    events.close()
+    return {"final_eval_loss": final, "wall_s": wall, "failed_learners": {}, "status": {}}

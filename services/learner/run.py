@@ -1,0 +1,349 @@
+"""``ddiloco run``: the whole system on one machine, as real processes on loopback.
+
+One synchronizer process and N learner processes, started with the same commands a deployment
+uses, share one resolved config file in the run folder. The orchestrator only watches: it tails
+the learners' event logs for the progress bar, asks the synchronizer for its status, and at the
+end fetches the global model over gRPC to evaluate it. ``--mode dp`` is the data-parallel
+reference instead: one process training one model on the combined batch for the same number of
+steps (the same tokens).
+
+The run folder holds ``config.yaml``, ``summary.json``, ``merges.jsonl`` (synchronizer),
+``learners/*.jsonl`` (one per learner), process logs, the synchronizer's state dir, and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from ddiloco.config import read_config_file
+
+MODES = ("decoupled", "streaming", "diloco", "dp")
+
+DEFAULTS: dict[str, Any] = {
+    "run": {"learners": 3, "steps": 600, "mode": "decoupled", "seed": 0, "final_eval_batches": 32},
+    "protocol": {"num_fragments": 24, "sync_every": 24, "overlap": 2},
+    "model": {},
+    "data": {"batch_size": 16, "context": 128},
+    "train": {"eval_every": 100, "eval_batches": 8},
+    "learner": {},
+    "synchronizer": {"policy": {"quorum": 1, "grace_gamma": 0.8, "max_grace_s": 5.0}},
+}
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, then the config file, then flags."""
+    doc = _merge(DEFAULTS, read_config_file(args.config))
+    run = doc["run"]
+    for key in ("learners", "steps", "mode", "seed"):
+        value = getattr(args, key)
+        if value is not None:
+            run[key] = value
+    if run["mode"] not in MODES:
+        raise ValueError(f"--mode must be one of {MODES}, got {run['mode']!r}")
+    if int(run["learners"]) < 1 or int(run["steps"]) < 1:
+        raise ValueError("--learners and --steps must be >= 1")
+    doc["train"]["steps"] = int(run["steps"])
+    doc["train"]["seed"] = int(run["seed"])
+    doc["data"]["seed"] = int(run["seed"])
+    doc["protocol"]["mode"] = "decoupled" if run["mode"] == "dp" else run["mode"]
+    return doc
+
+
+def _validate(doc: dict[str, Any]) -> None:
+    """Build every component config once so a bad file fails before any process starts."""
+    from ddiloco.config import build
+    from ddiloco.learner.config import load_learner_config
+    from ddiloco.synchronizer.config import SynchronizerConfig
+
+    tmp = pathlib.Path(doc["_path"])
+    load_learner_config(str(tmp), synchronizer="127.0.0.1:1", learner_id="learner-0")
+    section = dict(doc.get("synchronizer") or {})
+    section.setdefault("protocol", doc["protocol"])
+    build(SynchronizerConfig, section, "synchronizer")
+
+
+class Children:
+    """Processes this run started; all are stopped by pid on exit."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, argv: list[str], log: pathlib.Path) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, DDILOCO_LOG_JSON="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "ab"), env=env)  # noqa: SIM115
+        self.procs[name] = proc
+        return proc
+
+    def stop_all(self, timeout_s: float = 20.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+class Tail:
+    """Incrementally reads complete lines of a growing JSON Lines file."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+        return out
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "ddiloco.cli"]
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], path: pathlib.Path, timeout_s: float = 120.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"synchronizer exited with code {proc.returncode} before serving")
+        if time.monotonic() > deadline:
+            raise RuntimeError("synchronizer did not start serving in time")
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def evaluate_global(target: str, doc_path: pathlib.Path, eval_batches: int) -> float:
+    """Fetch the global model over gRPC and evaluate it on the held-out split."""
+    import torch
+
+    from ddiloco.fragments.outer_gradient import scatter
+    from ddiloco.fragments.partition import partition_tensors
+    from ddiloco.fragments.payload import decode_fragment
+    from ddiloco.learner.config import load_learner_config
+    from ddiloco.learner.data import eval_batches as make_eval_batches
+    from ddiloco.learner.data import load_corpus
+    from ddiloco.learner.inner_loop import evaluate
+    from ddiloco.learner.model import build_model
+    from ddiloco.learner.stream import SyncStream, open_channel
+
+    cfg = load_learner_config(str(doc_path), synchronizer=target, learner_id="evaluator")
+    model = build_model(cfg.model, cfg.train.seed)
+    params = dict(model.named_parameters())
+    layout = partition_tensors(list(params.items()), cfg.protocol.num_fragments)
+
+    async def fetch() -> list[Any]:
+        channel = open_channel(target, max_message_bytes=cfg.protocol.max_chunk_bytes + (1 << 20))
+        try:
+            return await SyncStream(channel, max_chunk_bytes=cfg.protocol.max_chunk_bytes).fetch_state("evaluator")
+        finally:
+            await channel.close()
+
+    for transfer in asyncio.run(fetch()):
+        scatter(layout[transfer.header.fragment_id], decode_fragment(transfer, layout), params)
+    corpus = load_corpus(cfg.data)
+    batches = make_eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, eval_batches)
+    return evaluate(model, batches, torch.device("cpu"))
+
+
+def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    run = doc["run"]
+    n, steps = int(run["learners"]), int(run["steps"])
+    cfg_path = out / "config.yaml"
+    (out / "learners").mkdir(exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // n)
+    children = Children()
+    started = time.time()
+    try:
+        ready_file = out / "synchronizer.ready.json"
+        sync = children.start("synchronizer", [
+            *_cli(), "synchronizer", "--listen", "127.0.0.1:0", "--state-dir", str(out / "state"),
+            "--config", str(cfg_path), "--merge-log", str(out / "merges.jsonl"),
+            "--ready-file", str(ready_file)], out / "logs" / "synchronizer.log")
+        port = _wait_ready(sync, ready_file)["port"]
+        target = f"127.0.0.1:{port}"
+        tails = {}
+        for i in range(n):
+            lid = f"learner-{i}"
+            path = out / "learners" / f"{lid}.jsonl"
+            children.start(lid, [*_cli(), "learner", "--synchronizer", target, "--learner-id", lid, "--config",
+                                 str(cfg_path), "--shard", str(i), "--num-shards", str(n), "--threads", str(threads),
+                                 "--metrics-file", str(path)], out / "logs" / f"{lid}.log")
+            tails[lid] = Tail(path)
+        merges_tail = Tail(out / "merges.jsonl")
+        bar = tqdm(total=n * steps, unit="step", disable=not show_progress, dynamic_ncols=True,
+                   desc=f"{run['mode']} x{n}")
+        done_steps = {lid: 0 for lid in tails}
+        last_loss: dict[str, float] = {}
+        tokens: dict[str, int] = {}
+        merges = 0
+        while True:
+            for lid, tail in tails.items():
+                for e in tail.read():
+                    if e["event"] == "step":
+                        done_steps[lid] = e["step"]
+                        last_loss[lid] = e["loss"]
+                        tokens[lid] = e["tokens"]
+            merges += sum(1 for e in merges_tail.read() if e.get("event") == "merge")
+            alive = [lid for lid in tails if children.procs[lid].poll() is None]
+            bar.n = sum(done_steps.values())
+            loss = sum(last_loss.values()) / len(last_loss) if last_loss else float("nan")
+            bar.set_postfix(tokens=f"{sum(tokens.values()) / 1e6:.2f}M", loss=f"{loss:.3f}", merges=merges,
+                            live=len(alive), refresh=False)
+            bar.refresh()
+            if not alive:
+                break
+            if sync.poll() is not None:
+                raise RuntimeError(f"synchronizer exited with code {sync.returncode} during the run")
+            time.sleep(0.5)
+        bar.close()
+        failed = {lid: children.procs[lid].returncode for lid in tails if children.procs[lid].returncode != 0}
+        final = evaluate_global(target, cfg_path, int(run["final_eval_batches"]))
+        status = _status(target)
+    finally:
+        children.stop_all()
+    wall = time.time() - started
+    return {"final_eval_loss": final, "wall_s": wall, "failed_learners": failed, "status": status}
+
+
+def _status(target: str) -> dict[str, Any]:
+    from ddiloco.config import to_dict
+    from ddiloco.synchronizer.status_cli import fetch_status
+
+    return to_dict(fetch_status(target))
+
+
+def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
+    from ddiloco.learner.data import load_corpus, unigram_entropy
+    from ddiloco.learner.goodput import fleet_summary, load_jsonl
+
+    run = doc["run"]
+    logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
+    merge_log = load_jsonl(out / "merges.jsonl") if (out / "merges.jsonl").exists() else []
+    fleet = fleet_summary(logs, merge_log)
+    tokens = sum(max((e.get("tokens", 0) for e in log if e["event"] == "step"), default=0) for log in logs.values())
+    steps = sum(max((e.get("step", 0) for e in log if e["event"] == "step"), default=0) for log in logs.values())
+    from ddiloco.learner.config import load_learner_config
+
+    data_cfg = load_learner_config(str(out / "config.yaml"), learner_id="x").data
+    status = result.get("status") or {}
+    return {
+        "mode": run["mode"],
+        "learners": int(run["learners"]),
+        "steps": steps,
+        "steps_per_learner": int(run["steps"]),
+        "tokens": tokens,
+        "merges": sum(1 for e in merge_log if e.get("event") == "merge"),
+        "final_eval_loss": result["final_eval_loss"],
+        "unigram_baseline_loss": unigram_entropy(load_corpus(data_cfg).eval),
+        "learner_goodput": fleet.get("learner_goodput"),
+        "global_downtime_s": fleet.get("global_downtime_s"),
+        "max_merge_gap_s": fleet.get("max_merge_gap_s"),
+        "restart_to_first_merge_s": fleet.get("restart_to_first_merge_s", []),
+        "rejected_contributions": sum((status.get("rejected_by_reason") or {}).values()),
+        "rejected_by_reason": status.get("rejected_by_reason") or {},
+        "blocked_share": fleet.get("blocked_share"),
+        "compute_share": fleet.get("compute_share"),
+        "contributions": fleet.get("contributions"),
+        "faults_injected": result.get("faults_injected", []),
+        "failed_learners": result.get("failed_learners", {}),
+        "wall_s": result["wall_s"],
+        "seed": int(run["seed"]),
+        "per_learner": fleet.get("per_learner"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--learners", type=int, help="learner processes (default 3)")
+    parser.add_argument("--steps", type=int, help="inner steps per learner (default 600)")
+    parser.add_argument("--mode", choices=MODES, help="decoupled (default), streaming, diloco, or dp (reference)")
+    parser.add_argument("--chaos", help="fault plan: a YAML/JSON file or a shorthand like random:mtbf=30s")
+    parser.add_argument("--out", help="run folder (default runs/<time>-<mode>)")
+    parser.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")
+    parser.add_argument("--config", help="YAML/JSON config with sections run, protocol, model, data, train, "
+                                         "learner, synchronizer")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    from ddiloco.logs import configure
+
+    configure(json=True)
+    if args.chaos:
+        print("ddiloco run: --chaos is not available in this version yet (fault injection lands with the chaos "
+              "driver); run without it", file=sys.stderr)
+        return 2
+    try:
+        doc = resolve(args)
+    except ValueError as exc:
+        print(f"ddiloco run: {exc}", file=sys.stderr)
+        return 2
+    mode = doc["run"]["mode"]
+    out = pathlib.Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{mode}")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump({k: v for k, v in doc.items()}, sort_keys=False))
+    try:
+        _validate({**doc, "_path": str(cfg_path)})
+    except ValueError as exc:
+        print(f"ddiloco run: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    show = not args.no_progress and sys.stderr.isatty()
+    if mode == "dp":
+        from ddiloco.learner.dp import run_dp
+
+        result = run_dp(doc, out, show_progress=show)
+    else:
+        result = run_distributed(doc, out, show_progress=show)
+    summary = summarize(doc, out, result)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        from ddiloco.learner.plots import plot_run
+
+        plot_run(out, out)
+    except Exception as exc:  # plots are a convenience; the summary is the contract
+        print(f"ddiloco run: plotting failed: {exc}", file=sys.stderr)
+    print(json.dumps({k: summary[k] for k in ("mode", "learners", "steps", "tokens", "merges", "final_eval_loss",
+                                                "unigram_baseline_loss", "learner_goodput", "global_downtime_s",
+                                                "max_merge_gap_s", "rejected_contributions", "wall_s")}, indent=2))
+    print(f"run folder: {out}")
+    return 0 if not summary["failed_learners"] else 1
