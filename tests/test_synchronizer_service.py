@@ -239,3 +239,26 @@ async def test_status_reports_learners_fragments_and_rejections(tmp_path):
 
 def test_params_helper_is_deterministic():
     torch.testing.assert_close(toy_params(3)["head.weight"], toy_params(3)["head.weight"])
+
+
+async def test_contribution_sent_again_is_answered_but_never_merged_twice(tmp_path):
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0))
+    async with running_server(cfg) as server:
+        a, = await _ready(server, "a")
+        delta = _delta(1, a, 0)
+        s = await a.contribute(0, delta, base_version=0)
+        assert (await a.wait_result(s)).version == 1
+        params = server.engine.fragments[0].params.clone()
+        # the same process re-sends it under the same sequence (its stream broke before the result came)
+        a2 = ScriptedLearner(server.port, "a")
+        a2.incarnation = a.incarnation
+        a2.sequence = iter([s])
+        await a2.connect()
+        a2.start_pump()
+        await a2.contribute(0, delta, base_version=0)
+        r = await a2.wait_result(s)
+        assert (r.outcome, r.version) == ("merged", 1) and "duplicate" in r.detail
+        await asyncio.sleep(0.3)
+        assert server.engine.fragments[0].version == 1 and torch.equal(server.engine.fragments[0].params, params)
+        for lr in (a, a2):
+            await lr.close()

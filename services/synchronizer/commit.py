@@ -50,6 +50,8 @@ class FragmentRecord:
     momentum: torch.Tensor
     merges: int = 0
     committed_at: float = 0.0
+    contributors: dict[str, list[int]] | None = None
+    """learner id -> [incarnation, sequence] of each contribution merged into this version."""
 
 
 def fsync_dir(path: pathlib.Path) -> None:
@@ -138,6 +140,7 @@ class StateStore:
         header = json.dumps({
             "fragment": record.fragment, "version": record.version, "merges": record.merges,
             "num_values": int(params.size), "committed_at": record.committed_at or time.time(),
+            "contributors": record.contributors or {},
         }).encode()
         h = xxhash.xxh3_128()
         parts: list[bytes | memoryview] = [MAGIC, _LEN.pack(len(header)), header,
@@ -190,7 +193,7 @@ class StateStore:
         params = torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body).copy())
         momentum = torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body + 4 * n).copy())
         return FragmentRecord(fragment, version, params, momentum, int(header.get("merges", 0)),
-                              float(header.get("committed_at", 0.0)))
+                              float(header.get("committed_at", 0.0)), header.get("contributors") or {})
 
     def load_latest(self, fragment: int, num_values: int) -> tuple[FragmentRecord | None, list[FragmentRecord]]:
         """The newest verifiable version and the older verifiable ones (history, ascending)."""

@@ -131,9 +131,9 @@ class Engine:
             frag = GlobalFragment(spec, latest.params, latest.momentum, latest.version, merges=latest.merges,
                                   history_size=self.cfg.staleness_window)
             frag.history.clear()
-            for rec in history:
+            for rec in [*history, latest]:
                 frag.remember(rec.version, rec.params)
-            frag.remember(latest.version, latest.params)
+                frag.note_merged(rec.version, rec.contributors or {})
             self.fragments[p] = frag
             self.merges_total += latest.merges
             self.metrics.version.labels(str(p)).set(latest.version)
@@ -353,6 +353,17 @@ class Engine:
             self.reject(c, "protocol", "a contribution must carry tokens > 0 and steps > 0")
             return
         frag = self.fragments[h.fragment_id]
+        dup = frag.duplicate_of(rec.learner_id, rec.incarnation, h.sequence)
+        if dup is not None:
+            kind, version = dup
+            if kind == "duplicate":  # sent again after a reconnect: answer, never merge twice
+                rec.merged += 1
+                self._send_result(rec, ContributionResult(sequence=h.sequence, fragment_id=h.fragment_id,
+                                                          outcome="merged", version=version,
+                                                          detail="duplicate of a merged contribution"))
+            else:
+                self.reject(c, "stale", f"older than contribution merged into version {version}")
+            return
         s = frag.version - h.version
         if s < 0:
             self.reject(c, "future_version", f"base {h.version} is newer than version {frag.version}", resync=True)

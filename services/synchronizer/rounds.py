@@ -43,6 +43,7 @@ class MergeOutcome:
     transfer: GlobalTransfer
     merge_s: float
     commit_s: float
+    contributors: dict[str, list[int]]
 
 
 class FragmentRound:
@@ -144,7 +145,7 @@ class FragmentRound:
             raise
         finally:
             self.merging = False
-        frag.advance(outcome.params, outcome.momentum, version + 1, engine.wall())
+        frag.advance(outcome.params, outcome.momentum, version + 1, engine.wall(), outcome.contributors)
         frag.last_quorum_size = len(entries)
         frag.last_grace_s = grace_s
         engine.publish(outcome.transfer)
@@ -190,12 +191,14 @@ class FragmentRound:
         chunks = encode_fragment(params, frag.spec, codec=engine.codec, kind="global", version=version + 1,
                                  transfer_id=engine.next_transfer_id(), layout_hash=engine.layout_hash,
                                  max_chunk_bytes=engine.cfg.protocol.max_chunk_bytes)
+        contributors = {sealed.entries[i].learner_id: [sealed.entries[i].incarnation, sealed.entries[i].sequence]
+                        for i in keep}
         t1 = time.perf_counter()
         engine.store.commit(FragmentRecord(self.index, version + 1, params, momentum, frag.merges + 1,
-                                           engine.wall()))
+                                           engine.wall(), contributors))
         commit_s = time.perf_counter() - t1
         return MergeOutcome(params, momentum, GlobalTransfer(self.index, version + 1, tuple(chunks)),
-                            merge_s, commit_s)
+                            merge_s, commit_s, contributors)
 
     # -- arrivals -------------------------------------------------------------------------
 

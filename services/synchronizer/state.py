@@ -28,6 +28,9 @@ class GlobalFragment:
     last_merge_unix: float = 0.0
     last_quorum_size: int = 0
     last_grace_s: float = 0.0
+    last_merged: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """learner id -> (incarnation, sequence, version) of its newest merged contribution; survives
+    restarts through the committed files, so a contribution sent again is never merged twice."""
 
     def __post_init__(self) -> None:
         self.remember(self.version, self.params)
@@ -44,8 +47,26 @@ class GlobalFragment:
     def staleness(self, base_version: int) -> int:
         return self.version - base_version
 
-    def advance(self, params: torch.Tensor, momentum: torch.Tensor, version: int, when: float) -> None:
+    def advance(self, params: torch.Tensor, momentum: torch.Tensor, version: int, when: float,
+                contributors: dict[str, list[int]] | None = None) -> None:
         self.params, self.momentum, self.version = params, momentum, version
         self.merges += 1
         self.last_merge_unix = when
         self.remember(version, params)
+        self.note_merged(version, contributors or {})
+
+    def note_merged(self, version: int, contributors: dict[str, list[int]]) -> None:
+        for learner_id, (incarnation, sequence) in contributors.items():
+            self.last_merged[learner_id] = (incarnation, sequence, version)
+
+    def duplicate_of(self, learner_id: str, incarnation: int, sequence: int) -> tuple[str, int] | None:
+        """("duplicate", version) if this exact contribution was merged; ("older", version) if a newer
+        one from the same learner process was; None otherwise."""
+        known = self.last_merged.get(learner_id)
+        if known is None or known[0] != incarnation:
+            return None
+        if sequence == known[1]:
+            return "duplicate", known[2]
+        if sequence < known[1]:
+            return "older", known[2]
+        return None
