@@ -19,7 +19,6 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("ddiloco.synchronizer.status_cli", "main", "show a synchronizer's live state"),
     "simulate": ("ddiloco.simulator.cli", "main", "fleet-scale goodput simulator"),
     "bench": ("ddiloco.benchmarks.cli", "main", "benchmark suite (codec, merge, ...)"),
-    "demo": ("ddiloco.fragments.demo", "main", "fragments round trip on a real model's tensors"),
 }
 
 

@@ -2,16 +2,30 @@
 
 Three codecs behind one interface (``encode(values) -> bytes``, ``decode(payload, n) -> values``):
 
-- ``fp32``: raw little-endian fp32, lossless, the baseline.
-- ``bf16_zstd``: round to bfloat16 (round-to-nearest-even), then split each 16-bit value into an
-  *exponent* byte plane and a *sign+mantissa* byte plane. Parameters and outer gradients span a
-  narrow range of magnitudes, so the exponent plane holds few distinct values and zstd shrinks it
-  about 2.8x, while the mantissa bits are close to uniform noise: compressing them costs time and
-  gains nothing, so a plane is kept raw unless a sample of it compresses. This bit-level split
-  (rather than plain high/low byte shuffling) puts all eight exponent bits in one byte; measured
-  on N(0, 0.02) weights it raises the lossless ratio over bf16 from about 1.3x to about 1.47x.
-  The payload is cut into independent blocks that a thread pool encodes and decodes in parallel
-  (numpy, torch and zstd release the GIL).
+- ``fp32``: raw little-endian fp32, lossless, the baseline. (All three assume a little-endian
+  host, as every platform torch ships for does.)
+- ``bf16_zstd``: round to bfloat16 exactly as torch does (round-to-nearest-even), then code the
+  8 exponent bits and the sign+7 mantissa bits of each value separately. The mantissa bits are
+  close to uniform noise: compressing them costs time and gains nothing, so that byte plane is
+  kept raw unless a sample of it compresses. Parameters and outer gradients span a narrow range of
+  magnitudes, so nearly every exponent of a block lies within 14 binades below the block's largest
+  one: each becomes a 4-bit code (``emax - e``; 15 means zero/subnormal, or an *escape* whose
+  exponent is listed beside the codes), two codes a byte, which zstd's entropy stage shrinks
+  a further ~1.5x. Halving the bytes zstd sees (and leaving it almost no matches to hunt for)
+  made the exponent stage ~5x faster than zstd on the plain exponent byte plane, and smaller:
+  measured on N(0, 0.02) weights and on AdamW outer gradients, ~1.51x over bf16 bytes (3.0x over
+  fp32) at over 1 GB/s of fp32 input with 2 threads. Blocks with too many escapes (over 1/32 of
+  their values) fall back to the plain exponent plane. The payload is cut into independent blocks
+  of 256 Ki values that a thread pool encodes and decodes in parallel (numpy, torch and zstd
+  release the GIL), each thread in its own reused scratch buffers.
+
+  Layout (little-endian): header ``<3sII`` = b"BZ\\x02", values per block, blocks; per block
+  ``<BBBBIII`` = exponent mode (0 raw plane, 1 zstd plane, 2 raw codes, 3 zstd codes),
+  sign/mantissa mode (0 raw, 1 zstd), emax, 0, escapes k, exponent bytes, sign/mantissa bytes;
+  then the exponent data, k uint32 indices (increasing), k exponent bytes, the sign/mantissa data
+  (sign in bit 7). A zstd plane is exactly one frame that declares its size. Decoding is strict:
+  anything malformed raises ``CodecError``; ``tests/test_codec.py`` pins the layout with an
+  independent decoder.
 - ``int8_block``: symmetric int8 with one fp32 scale per block of values (lossy, 3.9x smaller
   than fp32); pair it with ``ErrorFeedback`` so quantisation error is carried, not lost.
 
@@ -21,11 +35,12 @@ transfer and named in its header.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -82,61 +97,113 @@ _RAW, _ZSTD, _NIBBLE_RAW, _NIBBLE_ZSTD = 0, 1, 2, 3
 _ESCAPE = 15
 _SAMPLE = 16 * 1024
 _MIN_BLOCK_VALUES = 1024
-_MAX_BLOCK_VALUES = 1 << 26
+_MAX_BLOCK_VALUES = 1 << 22  # 16 MiB of fp32; also bounds what a forged header makes us allocate
+_CONVERT_SLICE = 1 << 15  # torch's intra-op grain size: copy_ of at most this many runs inline
+_NO_ESCAPES = np.empty(0, dtype=np.int64)
+_BYTE_LANES = np.arange(8, dtype=np.int64)
 
 
-def _sign_mantissa_plane(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16) -> one byte per value: sign in bit 7, mantissa in bits 0..6."""
-    t = np.bitwise_and(bits, np.uint16(0x807F))
-    t |= t >> np.uint16(8)
-    return t.astype(np.uint8)
+_THREAD = threading.local()  # per-thread scratch buffers and zstd contexts, shared by all codecs
+_POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
+_POOLS_LOCK = threading.Lock()
 
 
-def _nibble_codes(exponent: np.ndarray, emax: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One process-wide pool per thread count: codecs are cheap to make (``decode_fragment``
+    makes one per transfer), so they share workers and the workers' warm scratch buffers."""
+    pid = os.getpid()
+    with _POOLS_LOCK:
+        entry = _POOLS.get(threads)
+        if entry is None or entry[0] != pid:  # a forked child inherits the dict, not the threads
+            entry = _POOLS[threads] = (pid, ThreadPoolExecutor(threads, thread_name_prefix="ddiloco-codec"))
+        return entry[1]
+
+
+def _thread_scratch() -> _Scratch:
+    scratch = getattr(_THREAD, "scratch", None)
+    if scratch is None:
+        scratch = _THREAD.scratch = _Scratch()
+    return scratch
+
+
+def _thread_compressor(level: int) -> zstandard.ZstdCompressor:
+    # One compression context per thread and level: a context is not safe to share between threads.
+    compressors = getattr(_THREAD, "compressors", None)
+    if compressors is None:
+        compressors = _THREAD.compressors = {}
+    if level not in compressors:
+        compressors[level] = zstandard.ZstdCompressor(level=level)
+    return compressors[level]
+
+
+class _Scratch:
+    """Per-thread numpy buffers reused across blocks and calls.
+
+    Fresh memory costs a page fault per 4 KiB on first touch, which measured about as much as the
+    arithmetic itself on these passes; reused buffers stay mapped and mostly in cache.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, count: int, dtype: type) -> np.ndarray:
+        buf = self._buffers.get(name)
+        if buf is None or buf.size < count:
+            buf = self._buffers[name] = np.empty(count, dtype=dtype)
+        return buf[:count]
+
+
+def _nibble_codes(exponent: np.ndarray, emax: int, scratch: _Scratch) -> tuple[np.ndarray, np.ndarray] | None:
     """Exponent plane -> (packed 4-bit codes, escape indices), or None when too many escape.
 
     Code ``c < 15`` stands for exponent ``emax - c``; code 15 stands for exponent 0 (zero or
     subnormal) unless the value's index is in the escape list, which then carries its exponent.
+    Two codes per byte, the first in the low nibble. The packed codes live in ``scratch``.
     """
     count = exponent.size
-    codes = np.empty(count + (count & 1), dtype=np.uint8)
-    codes[-1] = 0
+    padded = -(-count // 8) * 8  # whole 64-bit words, for the sparse search below
+    codes = scratch.get("codes", padded, np.uint8)
+    codes[count:] = 0
     np.subtract(np.uint8(emax), exponent, out=codes[:count])
-    escapes = np.empty(0, dtype=np.uint32)
+    escapes = _NO_ESCAPES
     if emax >= _ESCAPE:
-        far = codes >= np.uint8(_ESCAPE)
-        if far.any():
-            np.copyto(codes, np.uint8(_ESCAPE), where=far)  # np.minimum is not vectorised for uint8
-            far[:count] &= exponent != 0
-            escapes = np.flatnonzero(far).astype(np.uint32)
+        far = np.greater_equal(codes, np.uint8(_ESCAPE), out=scratch.get("far", padded, np.bool_))
+        words = np.flatnonzero(far.view(np.uint64) != 0)  # nonzero() is only fast on bool arrays
+        if words.size:
+            if words.size <= count // 64:
+                # Few far values (the common case): visit only the 8-byte words that hold one.
+                candidates = (words[:, None] * 8 + _BYTE_LANES).reshape(-1)
+                hits = candidates[far[candidates]]
+                codes[hits] = _ESCAPE
+                escapes = hits[exponent[hits] != 0]
+            else:
+                np.copyto(codes, np.uint8(_ESCAPE), where=far)  # np.minimum is not vectorised for uint8
+                far[:count] &= exponent != 0
+                escapes = np.flatnonzero(far)
             if escapes.size > count // 32:
                 return None
-    words = codes.view(np.uint16)  # two codes per word, little-endian: first code in the low byte
-    packed = (words | (words >> np.uint16(4))).astype(np.uint8)
-    return packed, escapes
-
-
-def _unpack_nibbles(packed: np.ndarray, count: int) -> np.ndarray:
-    words = packed.astype(np.uint16)
-    words = (words & np.uint16(0x0F)) | ((words & np.uint16(0xF0)) << np.uint16(4))
-    return words.view(np.uint8)[:count]
+    pairs = codes[:count + (count & 1)].view(np.uint16)  # little-endian: first code in the low byte
+    merged = np.right_shift(pairs, np.uint16(4), out=scratch.get("merged", pairs.size, np.uint16))
+    merged |= pairs
+    packed = scratch.get("packed", pairs.size, np.uint8)
+    np.copyto(packed, merged, casting="unsafe")  # keeps the low byte: both codes
+    return packed, escapes.astype("<u4")
 
 
 @dataclass
 class Bf16ZstdCodec:
-    """bf16 rounding + exponent/sign-mantissa planes + zstd, block-parallel."""
+    """bf16 rounding + exponent codes / sign-mantissa planes + zstd, block-parallel."""
 
     level: int = 1
-    """zstd level of the exponent codes; 1 is the fastest and compresses them best."""
+    """zstd level; the exponent codes compress alike at levels 1..3, so 1 (fastest) is the default."""
     threads: int = 2
     """Worker threads for block-parallel encode/decode (1 = in the caller's thread)."""
     block_values: int = 1 << 18
-    """Values per independently coded block (256 Ki values = 1 MiB of fp32, cache-sized)."""
+    """Values per independently coded block (256 Ki values = 1 MiB of fp32: the working set of a
+    block stays in a core's L2 cache)."""
 
     name: ClassVar[str] = "bf16_zstd"
     lossless: ClassVar[bool] = False
-    _pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False, compare=False)
-    _local: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not -7 <= self.level <= 22:
@@ -150,54 +217,68 @@ class Bf16ZstdCodec:
     def _map(self, fn, items):  # type: ignore[no-untyped-def]
         if self.threads == 1 or len(items) <= 1:
             return [fn(i) for i in items]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ddiloco-codec")
-        return list(self._pool.map(fn, items))
-
-    def _compressor(self) -> zstandard.ZstdCompressor:
-        # One compression context per thread: a context is not safe to share between threads.
-        compressor = getattr(self._local, "compressor", None)
-        if compressor is None:
-            compressor = self._local.compressor = zstandard.ZstdCompressor(level=self.level)
-        return compressor
+        return list(_pool(self.threads).map(fn, items))
 
     def _maybe_compress(self, plane: np.ndarray, probe: bool) -> tuple[int, bytes | np.ndarray]:
-        """(_ZSTD, packed) when zstd shrinks ``plane``, else (_RAW, plane)."""
+        """(_ZSTD, compressed) when zstd shrinks ``plane``, else (_RAW, plane)."""
         if plane.size == 0:
             return _RAW, plane
-        compressor = self._compressor()
+        compressor = _thread_compressor(self.level)
         if probe and plane.size > 4 * _SAMPLE:
-            sample = compressor.compress(plane[:_SAMPLE])
+            sample = compressor.compress(plane[:_SAMPLE].data)
             if len(sample) > 0.97 * _SAMPLE:
                 return _RAW, plane
-        packed = compressor.compress(plane)
+        packed = compressor.compress(plane.data)
         return (_ZSTD, packed) if len(packed) < plane.size else (_RAW, plane)
 
-    def _encode_block(self, flat: torch.Tensor, start: int, end: int) -> list[bytes | np.ndarray]:
-        bits = flat[start:end].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        exponent = (bits >> np.uint16(7)).astype(np.uint8)  # the cast drops the sign bit
-        emax = int(exponent.max())
-        nibbles = _nibble_codes(exponent, emax)
+    def _encode_block(self, flat: torch.Tensor, sign_mantissa: np.ndarray, start: int) -> list[bytes | memoryview]:
+        """One block's parts. ``sign_mantissa`` (the caller's, alive until the final join) receives
+        the raw sign/mantissa plane; every other buffer here is per-thread scratch, so what is
+        returned must never alias one."""
+        count = sign_mantissa.size
+        scratch = _thread_scratch()
+        # bf16 rounding by torch itself, in slices no larger than its intra-op grain size, so torch
+        # stays in this thread: its own threads, started from every pool thread, would
+        # oversubscribe the cores.
+        bits = scratch.get("bf16", count, np.uint16)
+        rounded = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        for dst, src in zip(rounded.split(_CONVERT_SLICE), flat[start:start + count].split(_CONVERT_SLICE),
+                            strict=True):
+            dst.copy_(src)
+        shifted = np.right_shift(bits, np.uint16(7), out=scratch.get("u16", count, np.uint16))
+        exponent = scratch.get("exponent", count, np.uint8)
+        np.copyto(exponent, shifted, casting="unsafe")  # the low byte: the exponent without the sign
+        emax = int(exponent.max()) if count else 0
+        nibbles = _nibble_codes(exponent, emax, scratch)
         if nibbles is None:
             e_mode, e_data = self._maybe_compress(exponent, probe=False)
-            escapes = np.empty(0, dtype=np.uint32)
+            escapes = _NO_ESCAPES
         else:
             packed, escapes = nibbles
             mode, e_data = self._maybe_compress(packed, probe=False)
             e_mode = _NIBBLE_ZSTD if mode == _ZSTD else _NIBBLE_RAW
-        m_mode, m_data = self._maybe_compress(_sign_mantissa_plane(bits), probe=True)
-        head = _BZ_BLOCK.pack(e_mode, m_mode, emax, 0, escapes.size, _nbytes(e_data), _nbytes(m_data))
-        parts: list[bytes | np.ndarray] = [head, e_data]
+        if isinstance(e_data, np.ndarray):
+            e_data = e_data.tobytes()  # raw scratch: copy out before the next block reuses it
+        # Sign in bit 7, mantissa in bits 0..6: (bits & 0x807F) | (bits & 0x807F) >> 8, low byte.
+        masked = np.bitwise_and(bits, np.uint16(0x807F), out=shifted)
+        masked |= masked >> np.uint16(8)
+        np.copyto(sign_mantissa, masked, casting="unsafe")
+        m_mode, m_data = self._maybe_compress(sign_mantissa, probe=True)
+        head = _BZ_BLOCK.pack(e_mode, m_mode, emax, 0, escapes.size, len(e_data), _nbytes(m_data))
+        parts: list[bytes | memoryview] = [head, e_data]
         if escapes.size:
-            parts += [escapes.astype("<u4"), exponent[escapes]]
-        parts.append(m_data)
+            parts += [escapes.data, exponent[escapes].data]
+        parts.append(m_data.data if isinstance(m_data, np.ndarray) else m_data)
         return parts
 
     def encode(self, values: torch.Tensor) -> bytes:
         flat = _as_flat_fp32(values)
         n = flat.numel()
+        # The raw sign/mantissa planes go straight into one per-caller-thread buffer that the
+        # final join copies from (nothing returned aliases it).
+        planes = _thread_scratch().get("sign_mantissa", n, np.uint8)
         starts = list(range(0, n, self.block_values))
-        blocks = self._map(lambda s: self._encode_block(flat, s, min(s + self.block_values, n)), starts)
+        blocks = self._map(lambda s: self._encode_block(flat, planes[s:s + self.block_values], s), starts)
         return b"".join([_BZ_HEAD.pack(_BZ_MAGIC, self.block_values, len(blocks))]
                         + [part for block in blocks for part in block])
 
@@ -228,14 +309,16 @@ class Bf16ZstdCodec:
                 raise CodecError("bf16_zstd payload truncated in block data")
             e_data = view[pos:pos + e_len]
             esc_at = pos + e_len
-            spans.append((b * block_values, count, e_mode, emax, e_data, view[esc_at:esc_at + 4 * n_esc],
-                          view[esc_at + 4 * n_esc:esc_at + 5 * n_esc], m_mode, view[pos + size - m_len:pos + size]))
+            spans.append(_Span(b * block_values, count, e_mode, emax, e_data, view[esc_at:esc_at + 4 * n_esc],
+                               view[esc_at + 4 * n_esc:esc_at + 5 * n_esc], m_mode,
+                               view[pos + size - m_len:pos + size]))
             pos += size
         if pos != len(view):
             raise CodecError(f"bf16_zstd payload has {len(view) - pos} trailing bytes")
-        bits = np.empty(num_values, dtype=np.uint16)
-        self._map(lambda span: _decode_block(bits, *span), spans)
-        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+        out = np.empty(num_values, dtype=np.uint32)  # fp32 bit patterns, written block by block
+        self._map(lambda span: _decode_block(span, out[span.start:span.start + span.size], _thread_scratch()),
+                  spans)
+        return torch.from_numpy(out.view(np.float32))
 
     def max_encoded_bytes(self, num_values: int) -> int:
         # A plane is stored raw whenever zstd would not shrink it, so the plain exponent plane and
@@ -245,11 +328,26 @@ class Bf16ZstdCodec:
         return _BZ_HEAD.size + nblocks * (_BZ_BLOCK.size + 1) + 2 * num_values
 
 
+class _Span(NamedTuple):
+    """One block of a received payload, located but not yet decoded."""
+
+    start: int
+    size: int
+    e_mode: int
+    emax: int
+    e_data: memoryview
+    esc_index: memoryview
+    esc_value: memoryview
+    m_mode: int
+    m_data: memoryview
+
+
 def _nbytes(data: bytes | np.ndarray) -> int:
     return data.nbytes if isinstance(data, np.ndarray) else len(data)
 
 
 def _plane(mode: int, data: memoryview, size: int) -> np.ndarray:
+    raw: bytes | memoryview
     if mode == _ZSTD:
         raw = _decompress_exactly(data, size)
     elif mode == _RAW:
@@ -280,40 +378,63 @@ def _decompress_exactly(data: memoryview, size: int) -> bytes:
     return raw
 
 
-def _decode_block(bits: np.ndarray, start: int, count: int, e_mode: int, emax: int, e_data: memoryview,
-                  esc_index: memoryview, esc_value: memoryview, m_mode: int, m_data: memoryview) -> None:
-    if e_mode in (_RAW, _ZSTD):
-        exponent = _plane(e_mode, e_data, count)
-    elif e_mode in (_NIBBLE_RAW, _NIBBLE_ZSTD):
-        packed = _plane(_RAW if e_mode == _NIBBLE_RAW else _ZSTD, e_data, (count + 1) // 2)
+def _decode_block(span: _Span, out: np.ndarray, scratch: _Scratch) -> None:
+    """Decode one block into ``out`` (its fp32 bit patterns, uint32)."""
+    count, emax = span.size, span.emax
+    if span.e_mode in (_RAW, _ZSTD):
+        exponent = _plane(span.e_mode, span.e_data, count)
+    elif span.e_mode in (_NIBBLE_RAW, _NIBBLE_ZSTD):
+        packed = _plane(_RAW if span.e_mode == _NIBBLE_RAW else _ZSTD, span.e_data, (count + 1) // 2)
         if count & 1 and packed[-1] >> 4:
             raise CodecError("bf16_zstd exponent codes have a non-zero padding nibble")
-        codes = _unpack_nibbles(packed, count)
-        zero = codes == np.uint8(_ESCAPE)
+        words = scratch.get("words", packed.size, np.uint16)
+        np.copyto(words, packed)
+        spread = np.left_shift(words, np.uint16(4), out=scratch.get("spread", packed.size, np.uint16))
+        spread |= words
+        spread &= np.uint16(0x0F0F)  # low byte: first code, high byte: second code
+        codes = spread.view(np.uint8)[:count]
         if emax < _ESCAPE and int(codes.max(initial=0)) > emax:
             raise CodecError("bf16_zstd exponent code out of range")
-        exponent = np.subtract(np.uint8(emax), codes)
-        exponent[zero] = 0
-        if esc_index:
-            index = np.frombuffer(esc_index, dtype="<u4")
-            value = np.frombuffer(esc_value, dtype=np.uint8)
+        keep = np.not_equal(codes, np.uint8(_ESCAPE), out=scratch.get("keep", count, np.bool_))
+        exponent = np.subtract(np.uint8(emax), codes, out=scratch.get("exponent", count, np.uint8))
+        np.multiply(exponent, keep, out=exponent)  # code 15: exponent 0 (a masked store is far slower)
+        if span.esc_index:
+            index = np.frombuffer(span.esc_index, dtype="<u4")
+            value = np.frombuffer(span.esc_value, dtype=np.uint8)
             if (int(index[-1]) >= count or (index.size > 1 and not (np.diff(index.astype(np.int64)) > 0).all())
-                    or not zero[index].all() or not ((value != 0) & (value.astype(np.int32) + _ESCAPE <= emax)).all()):
+                    or keep[index].any() or not ((value != 0) & (value.astype(np.int32) + _ESCAPE <= emax)).all()):
                 raise CodecError("bf16_zstd exponent escapes are malformed")
             exponent[index] = value
     else:
-        raise CodecError(f"bf16_zstd exponent plane has unknown mode {e_mode}")
-    sign_mantissa = _plane(m_mode, m_data, count).astype(np.uint16)
-    out = bits[start:start + count]
-    np.left_shift(exponent, 7, out=out, dtype=np.uint16)
-    out |= sign_mantissa & np.uint16(0x7F)
-    sign_mantissa &= np.uint16(0x80)
-    sign_mantissa <<= np.uint16(8)
-    out |= sign_mantissa
+        raise CodecError(f"bf16_zstd exponent plane has unknown mode {span.e_mode}")
+    # Sign/mantissa byte s -> s * 0x0101 & 0x807F puts the sign in bit 15 and keeps the mantissa.
+    sign_mantissa = np.multiply(_plane(span.m_mode, span.m_data, count), np.uint16(0x0101), dtype=np.uint16,
+                                out=scratch.get("sign_mantissa16", count, np.uint16))
+    sign_mantissa &= np.uint16(0x807F)
+    bits = np.left_shift(exponent, np.uint16(7), out=scratch.get("bits", count, np.uint16), dtype=np.uint16)
+    bits |= sign_mantissa
+    np.left_shift(bits, np.uint32(16), out=out, dtype=np.uint32)  # bf16 -> fp32 is exact: a shift
 
 
 _I8_HEAD = struct.Struct("<2sI")
 _I8_MIN_BLOCK, _I8_MAX_BLOCK = 8, 1 << 20
+_I8_CHUNK_VALUES = 1 << 16
+
+
+def _quantize(blocks: np.ndarray, scales: np.ndarray, q: np.ndarray) -> None:
+    """Rows of ``blocks`` -> their scales (max|x|/127) and int8 levels round(x/scale), in place.
+
+    numpy, one slice at a time in the caller's thread: torch's intra-op threads on slices this
+    small spend more time waking up than working, and stall outright when the cores are busy.
+    """
+    work = np.abs(blocks)
+    np.max(work, axis=1, out=scales)
+    scales /= np.float32(127.0)
+    safe = np.where(scales > 0, scales, np.float32(1.0))
+    with np.errstate(invalid="ignore"):  # non-finite inputs give non-finite scales, refused on decode
+        np.divide(blocks, safe[:, None], out=work)
+        np.rint(work, out=work)  # half to even, like torch.round; |x/scale| <= 127 by construction
+        np.copyto(q, work, casting="unsafe")
 
 
 @dataclass(frozen=True)
@@ -330,16 +451,23 @@ class Int8BlockCodec:
             raise ValueError(f"block_size must be in {_I8_MIN_BLOCK}..{_I8_MAX_BLOCK}, got {self.block_size}")
 
     def encode(self, values: torch.Tensor) -> bytes:
-        flat = _as_flat_fp32(values)
-        n = flat.numel()
-        nblocks = -(-n // self.block_size)
-        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
-        padded[:n] = flat
-        blocks = padded.view(nblocks, self.block_size)
-        scales = blocks.abs().amax(dim=1) / 127.0
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-        return _I8_HEAD.pack(b"I8", self.block_size) + scales.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
+        flat = _as_flat_fp32(values).numpy()
+        n, size = flat.size, self.block_size
+        full = n // size
+        scales = np.empty(-(-n // size), dtype=np.float32)
+        q = np.empty(n, dtype=np.int8)
+        step = max(1, _I8_CHUNK_VALUES // size)  # a cache-sized slice of blocks at a time
+        for first in range(0, full, step):
+            last = min(first + step, full)
+            _quantize(flat[first * size:last * size].reshape(-1, size), scales[first:last],
+                      q[first * size:last * size].reshape(-1, size))
+        if full * size < n:
+            tail = np.zeros((1, size), dtype=np.float32)
+            tail[0, :n - full * size] = flat[full * size:]
+            q_tail = np.empty((1, size), dtype=np.int8)
+            _quantize(tail, scales[full:], q_tail)
+            q[full * size:] = q_tail[0, :n - full * size]
+        return b"".join([_I8_HEAD.pack(b"I8", size), scales.data, q.data])
 
     def quantization_step(self, values: torch.Tensor) -> torch.Tensor:
         """Per-value quantisation step (the block's scale) for ``values``."""
@@ -352,21 +480,26 @@ class Int8BlockCodec:
         return scales.repeat_interleave(self.block_size)[:n]
 
     def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
-        view = memoryview(payload)
+        view = memoryview(payload).cast("B")
         if len(view) < _I8_HEAD.size:
             raise CodecError("int8_block payload shorter than its header")
-        magic, block_size = _I8_HEAD.unpack_from(view, 0)
-        if magic != b"I8" or not _I8_MIN_BLOCK <= block_size <= _I8_MAX_BLOCK:
-            raise CodecError(f"int8_block payload has a bad header (block size {block_size})")
-        nblocks = -(-num_values // block_size)
+        magic, size = _I8_HEAD.unpack_from(view, 0)
+        if magic != b"I8" or not _I8_MIN_BLOCK <= size <= _I8_MAX_BLOCK:
+            raise CodecError(f"int8_block payload has a bad header (block size {size})")
+        nblocks = -(-num_values // size)
         expected = _I8_HEAD.size + 4 * nblocks + num_values
         if len(view) != expected:
             raise CodecError(f"int8_block payload has {len(view)} bytes, expected {expected}")
-        scales = torch.from_numpy(np.frombuffer(view, dtype="<f4", count=nblocks, offset=_I8_HEAD.size).copy())
-        q = torch.from_numpy(np.frombuffer(view, dtype=np.int8, offset=_I8_HEAD.size + 4 * nblocks).copy())
-        padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
-        padded[:num_values] = q.float()
-        return (padded.view(nblocks, block_size) * scales[:, None]).reshape(-1)[:num_values].contiguous()
+        scales = np.frombuffer(view, dtype="<f4", count=nblocks, offset=_I8_HEAD.size)
+        q = np.frombuffer(view, dtype=np.int8, offset=_I8_HEAD.size + 4 * nblocks)
+        out = np.empty(num_values, dtype=np.float32)
+        full = num_values // size
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite scales: refused by the caller
+            np.multiply(q[:full * size].reshape(full, size), scales[:full, None],
+                        out=out[:full * size].reshape(full, size))
+            if full < nblocks:
+                np.multiply(q[full * size:], scales[full], out=out[full * size:])
+        return torch.from_numpy(out)
 
     def max_encoded_bytes(self, num_values: int) -> int:
         return _I8_HEAD.size + 4 * (-(-num_values // self.block_size)) + num_values

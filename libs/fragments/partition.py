@@ -147,13 +147,14 @@ def partition(specs: Iterable[TensorSpec], num_fragments: int) -> FragmentLayout
             "use fewer fragments"
         )
     order = {s.name: i for i, s in enumerate(specs)}
-    heap: list[tuple[int, int]] = [(0, p) for p in range(num_fragments)]
+    # (load, tensors, index): equal loads go to the bin with fewer tensors, so even zero-size tensors spread.
+    heap: list[tuple[int, int, int]] = [(0, 0, p) for p in range(num_fragments)]
     bins: list[list[TensorSpec]] = [[] for _ in range(num_fragments)]
     # Largest first; ties by name so the result never depends on input order of equal sizes.
     for spec in sorted(specs, key=lambda s: (-s.nbytes, s.name)):
-        load, p = heapq.heappop(heap)
+        load, count, p = heapq.heappop(heap)
         bins[p].append(spec)
-        heapq.heappush(heap, (load + spec.nbytes, p))
+        heapq.heappush(heap, (load + spec.nbytes, count + 1, p))
     return FragmentLayout(
         tuple(
             Fragment(p, tuple(sorted(b, key=lambda s: order[s.name]))) for p, b in enumerate(bins)

@@ -72,8 +72,11 @@ def decode_fragment(transfer: Transfer, layout: FragmentLayout, *, zstd_threads:
     """Check and decode a transfer into a flat fp32 tensor. Raises ``FragmentError`` subclasses."""
     header = transfer.header
     fragment = check_header(header, layout)
-    codec = make_codec(header.codec, threads=zstd_threads,
-                       int8_block=header.block_size if header.codec == "int8_block" and header.block_size else 256)
+    try:
+        codec = make_codec(header.codec, threads=zstd_threads,
+                           int8_block=header.block_size if header.codec == "int8_block" and header.block_size else 256)
+    except ValueError as exc:
+        raise CodecError(f"fragment {fragment.index}: bad codec parameters: {exc}") from exc
     bound = codec.max_encoded_bytes(fragment.numel)
     if len(transfer.payload) > bound:
         raise OversizedChunkError(

@@ -46,6 +46,7 @@ class FragmentSchedule:
     def next_due_step(self, fragment: int, after: int) -> int:
         """The first step > ``after`` at which ``fragment`` falls due."""
         off = self.offset(fragment)
+        after = max(after, 0)
         base = after - (after % self.sync_every) + off
         step = base if base > after else base + self.sync_every
         return step if step >= 1 else step + self.sync_every

@@ -4,9 +4,11 @@ The training loop runs on the calling thread; ``Comm`` owns the network on its o
 fragment p the learner keeps its base (the last global fragment it applied, fp32, with its
 version) and the counters (tokens, steps) of the progress that the next contribution carries.
 When p falls due, ``Delta = base_p - theta_p`` (fp32) is handed to Comm and training goes on.
-Merged fragments are applied at step boundaries, ``tau`` steps after sending (decoupled mode
+Merged fragments are applied at step boundaries, ``tau`` steps after this learner sent the
+fragment: a version merged from other learners' contributions while ours was not yet sent is held
+until ours is on its way, so that unsent local progress is never overwritten. Decoupled mode
 applies a late arrival as soon as it is there; streaming and diloco block for it, with a timeout,
-and count that time as blocked).
+and count that time as blocked.
 """
 
 from __future__ import annotations
@@ -180,8 +182,13 @@ class Learner:
         self.pending.update(self.comm.take_arrivals())
         for p, arrival in list(self.pending.items()):
             sent = self.sent.get(p)
-            if not arrival.resync and sent is not None and step <= self.schedule.apply_step(sent.step):
-                continue  # arrived early: apply tau steps after sending
+            if not arrival.resync:
+                if sent is None:
+                    # A merge of other learners' contributions, before ours for this fragment was sent:
+                    # hold it until ours is on its way, so no unsent local progress is thrown away.
+                    continue
+                if step <= self.schedule.apply_step(sent.step):
+                    continue  # arrived early: apply tau steps after sending
             del self.pending[p]
             self._apply(p, arrival, step)
         self.blocked_s += blocked

@@ -1,0 +1,40 @@
+# Two commands on a fresh machine:  `make run` (train on the embedded default)  and  `make test`.
+# Both create .venv and install everything they need. On a CPU-only machine torch $(TORCH_VERSION)
+# (CPU build) is installed first, so the package's torch range installs nothing more; with a CUDA
+# machine, install the torch build you want into .venv first (or set TORCH_SPEC).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?= torch==$(TORCH_VERSION)
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint bench protos clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ddiloco run $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy libs/fragments services/synchronizer/policies.py
+
+bench: $(STAMP)
+	$(BIN)/ddiloco bench codec
+	$(BIN)/ddiloco bench merge
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,114 @@
+"""Outer gradients are fp32 math, and fragments gather/scatter losslessly.
+
+The pitfall this guards against (DESIGN.md §2; the reason ``outer_gradient`` upcasts): a
+per-step AdamW update on a weight of magnitude 0.02 is about lr = 1e-4 relative, far below
+bf16's 2^-8 resolution, so ``bf16(base) - bf16(theta)`` is almost always exactly zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter, segment_views
+from ddiloco.fragments.partition import partition_tensors
+
+
+def _weights_and_small_update(n: int = 100_000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=gen) * 0.02
+    update = torch.randn(n, generator=gen) * 2e-6  # ~ lr 1e-4 relative to the weights
+    return base, base - update
+
+
+def test_outer_gradient_is_base_minus_current_in_fp32() -> None:
+    base, theta = _weights_and_small_update()
+    delta = outer_gradient(base, theta)
+    assert delta.dtype == torch.float32
+    assert torch.equal(delta, base - theta)
+    out = torch.empty_like(base)
+    assert outer_gradient(base, theta, out=out) is out and torch.equal(out, delta)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_upcast_before_subtracting(dtype: torch.dtype) -> None:
+    base, theta = _weights_and_small_update()
+    base_lp = base.to(dtype)
+    theta_lp = (base + 64 * (theta - base)).to(dtype)  # an update large enough to survive rounding
+    delta = outer_gradient(base_lp, theta_lp)
+    assert delta.dtype == torch.float32
+    assert torch.equal(delta, base_lp.float() - theta_lp.float())
+    # Mixed: fp32 base (the learner's copy) against low-precision parameters.
+    mixed = outer_gradient(base, theta_lp)
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, base - theta_lp.float())
+
+
+def test_small_updates_vanish_in_bf16_but_survive_in_fp32() -> None:
+    base, theta = _weights_and_small_update()
+    true_update = (base.double() - theta.double())
+    ours = outer_gradient(base, theta).double()
+    naive = (base.to(torch.bfloat16) - theta.to(torch.bfloat16)).double()
+    vanished = float((naive == 0).float().mean())
+    assert vanished > 0.9, vanished  # bf16 subtraction loses >90% of the updates outright
+    naive_error = float((naive - true_update).norm() / true_update.norm())
+    our_error = float((ours - true_update).norm() / true_update.norm())
+    assert naive_error > 0.5 and our_error < 1e-3, (naive_error, our_error)
+
+
+def test_shape_mismatch_raises() -> None:
+    with pytest.raises(ValueError, match="shape"):
+        outer_gradient(torch.zeros(4), torch.zeros(5))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(40, 8), torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 40))
+    model[2].to(torch.bfloat16)
+    return model
+
+
+def test_gather_scatter_round_trip() -> None:
+    model, other = _model(), _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.uniform_(-1, 1)
+    params, other_params = dict(model.named_parameters()), dict(other.named_parameters())
+    layout = partition_tensors(params, 3)
+    for fragment in layout:
+        flat = gather(fragment, params)
+        assert flat.dtype == torch.float32 and flat.shape == (fragment.numel,)
+        for (name, start, end), view in zip(fragment.segments(), segment_views(fragment, flat), strict=True):
+            assert torch.equal(flat[start:end], params[name].detach().float().reshape(-1))
+            assert view.shape == params[name].shape
+        scatter(fragment, flat, other_params)
+    for name, p in model.named_parameters():
+        q = other_params[name]
+        assert q.dtype == p.dtype and torch.equal(q, p), name
+
+
+def test_gather_into_a_given_buffer_and_scatter_rounds_to_the_parameter_dtype() -> None:
+    model = _model()
+    params = dict(model.named_parameters())
+    layout = partition_tensors(params, 1)
+    fragment = layout[0]
+    out = torch.full((fragment.numel,), float("nan"))
+    assert gather(fragment, params, out=out) is out
+    assert bool(torch.isfinite(out).all())
+    scatter(fragment, out + 1e-3, params)
+    norm = params["2.weight"]
+    assert norm.dtype == torch.bfloat16
+    start, end = dict((n, (s, e)) for n, s, e in fragment.segments())["2.weight"]
+    assert torch.equal(norm.reshape(-1), (out[start:end] + 1e-3).to(torch.bfloat16))
+
+
+def test_gather_and_scatter_reject_wrong_buffers() -> None:
+    model = _model()
+    params = dict(model.named_parameters())
+    fragment = partition_tensors(params, 2)[0]
+    with pytest.raises(ValueError):
+        gather(fragment, params, out=torch.empty(fragment.numel + 1))
+    with pytest.raises(ValueError):
+        gather(fragment, params, out=torch.empty(fragment.numel, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        scatter(fragment, torch.zeros(fragment.numel - 1), params)
