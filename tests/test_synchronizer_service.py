@@ -262,3 +262,26 @@ async def test_contribution_sent_again_is_answered_but_never_merged_twice(tmp_pa
         assert server.engine.fragments[0].version == 1 and torch.equal(server.engine.fragments[0].params, params)
         for lr in (a, a2):
             await lr.close()
+
+
+async def test_prometheus_metrics_and_health_are_served(tmp_path):
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cfg = sync_config(tmp_path, metrics_port=0, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0))
+    async with running_server(cfg) as server:
+        a, = await _ready(server, "a")
+        s = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        await a.wait_result(s)
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode())
+        assert 'ddiloco_sync_merges_total{fragment="0"} 1.0' in body
+        assert 'ddiloco_sync_fragment_version{fragment="0"} 1.0' in body
+        assert 'ddiloco_sync_contributions_total{outcome="merged",reason=""} 1.0' in body
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="ddiloco.v1.Synchronizer"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        await a.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -20,8 +21,11 @@ class EventLog:
         self._lock = threading.Lock()
         self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in close()
         self.counts: dict[str, int] = {}
+        self.observers: list[Callable[[str, dict[str, Any]], None]] = []
 
     def emit(self, event: str, **fields: Any) -> None:
+        for observer in self.observers:
+            observer(event, fields)
         with self._lock:
             self.counts[event] = self.counts.get(event, 0) + 1
             if self._file is None:

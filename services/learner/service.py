@@ -31,6 +31,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.inner_loop import InnerLoop, resolve_device
+from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.model import build_model, model_fingerprint, num_params
 from ddiloco.logs import get_logger
 
@@ -78,8 +79,25 @@ class Learner:
         self.sequence = itertools.count(1)
         self.tokens = 0
         self.blocked_s = 0.0
+        self.metrics = LearnerMetrics()
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(cfg.metrics_port)
+        self.events.observers.append(self._observe)
         self.comm = Comm(cfg, layout=self.layout, model_fingerprint=self.fingerprint, incarnation=self.incarnation,
                          events=self.events, held=lambda: dict(self.version), genesis_values=self._genesis_values)
+
+    def _observe(self, event: str, fields: dict) -> None:
+        m = self.metrics
+        if event == "result":
+            m.contributions.labels(fields.get("outcome", "")).inc()
+        elif event == "dropped":
+            m.contributions.labels("dropped").inc()
+        elif event == "send":
+            m.contributions.labels("sent").inc()
+        elif event == "apply":
+            m.applies.inc()
+        elif event in ("connect", "disconnect"):
+            m.connected.set(1 if event == "connect" else 0)
 
     # -- joining --------------------------------------------------------------------------
 
@@ -133,6 +151,14 @@ class Learner:
             stats.step, stats.tokens_total, stats.step_time_s = step, self.tokens, ema_step
             stats.tokens_per_s = batch_tokens / ema_step if ema_step else 0.0
             self.events.emit("step", step=step, loss=loss, tokens=self.tokens, step_s=step_s, blocked_s=blocked)
+            m = self.metrics
+            m.steps.inc()
+            m.tokens.inc(batch_tokens)
+            m.loss.set(loss)
+            m.blocked.inc(blocked)
+            m.tokens_per_s.set(stats.tokens_per_s)
+            m.bytes_sent.set(self.comm.bytes_sent)
+            m.bytes_received.set(self.comm.bytes_received)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 self._eval(step)
             if self.comm.draining.is_set():

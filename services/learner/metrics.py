@@ -1,0 +1,25 @@
+"""Prometheus metrics of a learner, on a registry of its own (served when ``metrics_port`` is set)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.steps = Counter("ddiloco_learner_steps_total", "Inner steps", registry=r)
+        self.tokens = Counter("ddiloco_learner_tokens_total", "Tokens trained on", registry=r)
+        self.tokens_per_s = Gauge("ddiloco_learner_tokens_per_second", "Recent throughput", registry=r)
+        self.loss = Gauge("ddiloco_learner_train_loss", "Last training loss", registry=r)
+        self.blocked = Counter("ddiloco_learner_blocked_seconds_total", "Seconds blocked on the network", registry=r)
+        self.contributions = Counter("ddiloco_learner_contributions_total", "Contributions by outcome",
+                                     ["outcome"], registry=r)
+        self.applies = Counter("ddiloco_learner_applies_total", "Global fragments applied", registry=r)
+        self.bytes_sent = Gauge("ddiloco_learner_bytes_sent", "Contribution payload bytes sent", registry=r)
+        self.bytes_received = Gauge("ddiloco_learner_bytes_received", "Global payload bytes received", registry=r)
+        self.connected = Gauge("ddiloco_learner_connected", "1 while the Sync stream is up", registry=r)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_address[1])
