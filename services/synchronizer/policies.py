@@ -37,7 +37,8 @@ class QuorumPolicy:
     max_grace_s: float = 10.0
     """Upper clamp of the grace window, seconds."""
     timeout_s: float | None = None
-    """With quorum 0: merge whatever arrived this long after the round opened (None = never)."""
+    """Merge whatever arrived this long after the round opened, even below the quorum (None = never).
+    The streaming and diloco presets set it, so one dead learner cannot stall everyone forever."""
 
     def __post_init__(self) -> None:
         if self.quorum < 0:
@@ -116,8 +117,10 @@ def grace_window(timings: Timings, overlap: int, policy: QuorumPolicy) -> tuple[
 
 def decide(now: float, view: RoundView, timings: Timings, overlap: int, policy: QuorumPolicy) -> Decision:
     """Merge now, or wait (and until when)."""
-    if not view.contributors or view.opened_at is None:
+    if not view.contributors:
         return Decision(False, "no contributions")
+    if view.opened_at is None:
+        return Decision(False, f"{len(view.contributors)} stale contributions; round not open yet")
     if view.live and view.live <= view.contributors:
         return Decision(True, f"all {len(view.live)} live learners contributed")
     reached, why = quorum_reached(view, policy)
@@ -130,7 +133,7 @@ def decide(now: float, view: RoundView, timings: Timings, overlap: int, policy: 
             return Decision(False, why, wake_at=deadline)
         return Decision(False, why)
     grace, grace_why = grace_window(timings, overlap, policy)
-    start = view.quorum_at if view.quorum_at is not None else now
+    start = view.quorum_at if view.quorum_at is not None else view.opened_at
     deadline = start + grace
     if now >= deadline:
         return Decision(True, f"{why}; {grace_why} elapsed", grace_s=grace)
