@@ -26,9 +26,8 @@ def proto_files() -> list[pathlib.Path]:
 
 def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     """Run protoc into ``out_root``; return the generated files (under out_root/ddiloco/v1)."""
-    from grpc_tools import protoc  # dev dependency only
-
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency only
 
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     out_root.mkdir(parents=True, exist_ok=True)

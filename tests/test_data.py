@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from ddiloco.learner import data as data_mod
 from ddiloco.learner.data import (
     DataConfig,

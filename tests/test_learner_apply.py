@@ -32,7 +32,7 @@ def test_mix_interpolates_with_alpha():
 
 
 def test_replay_keeps_exactly_the_progress_since_the_send():
-    base_old, at_send, local, merged = _setup()
+    _, at_send, local, merged = _setup()
     new = apply_global("replay", local=local, global_=merged, reference=at_send)
     torch.testing.assert_close(new - merged, local - at_send)
     # the next contribution, base_new - theta, carries exactly the progress since the send ...

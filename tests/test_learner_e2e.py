@@ -105,7 +105,7 @@ def test_late_learner_fetches_state_and_contributes(tmp_path):
         sync = subprocess.Popen([*cli, "synchronizer", "--listen", "127.0.0.1:0", "--state-dir",
                                  str(tmp_path / "state"), "--config", str(cfg), "--ready-file", str(ready),
                                  "--merge-log", str(tmp_path / "merges.jsonl")],
-                                stderr=open(tmp_path / "sync.log", "wb"), env=env)
+                                stderr=open(tmp_path / "sync.log", "wb"), env=env)  # noqa: SIM115
         procs.append(sync)
         deadline = time.monotonic() + 60
         while not ready.exists():

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
+
 from ddiloco.learner.model import (
     GPT,
     MODEL_KINDS,
@@ -23,7 +25,6 @@ from ddiloco.learner.model import (
     model_fingerprint,
     num_params,
 )
-from torch import nn
 
 SMALL = {"context": 32, "d_model": 32, "n_layer": 2, "n_head": 2}
 
