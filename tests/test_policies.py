@@ -208,3 +208,18 @@ def test_running_average():
     for alpha in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError):
             RunningAverage(alpha=alpha)
+
+
+def test_stale_leftovers_do_not_count_as_everyone_contributed() -> None:
+    from ddiloco.synchronizer.policies import QuorumPolicy, RoundView, Timings, decide
+
+    live = frozenset({"a", "b", "c"})
+    policy = QuorumPolicy(quorum=1, grace_gamma=0.5, max_grace_s=10.0)
+    timings = Timings(step_time_s=1.0)
+    # b and c only have contributions from the previous round: wait out the grace, don't merge at once
+    view = RoundView(100.0, 100.0, live, live, fresh=frozenset({"a"}))
+    d = decide(100.1, view, timings, 2, policy)
+    assert not d.merge and d.wake_at == 101.0
+    assert decide(101.0, view, timings, 2, policy).merge
+    # all three fresh: at once
+    assert decide(100.1, RoundView(100.0, 100.0, live, live, fresh=live), timings, 2, policy).merge

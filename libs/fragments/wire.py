@@ -121,6 +121,7 @@ class Welcome:
     heartbeat_interval_s: float = 1.0
     shard_index: int = 0
     shard_count: int = 1
+    fleet_step: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,7 +317,7 @@ def synchronizer_message_to_pb(msg: SynchronizerMessage) -> pb.SynchronizerMessa
             synchronizer_id=msg.synchronizer_id, protocol=protocol_to_pb(msg.protocol),
             versions=_versions_to_pb(msg.versions), state=_STATES[msg.state],
             heartbeat_interval_s=msg.heartbeat_interval_s, shard_index=msg.shard_index,
-            shard_count=msg.shard_count))
+            shard_count=msg.shard_count, fleet_step=msg.fleet_step))
     if isinstance(msg, Resync):
         return pb.SynchronizerMessage(resync=pb.Resync(
             fragment_ids=list(msg.fragment_ids), reason=_reason_value(msg.reason) if msg.reason else 0,
@@ -341,7 +342,7 @@ def synchronizer_message_from_pb(m: pb.SynchronizerMessage) -> SynchronizerMessa
         return Welcome(synchronizer_id=w.synchronizer_id, protocol=protocol_from_pb(w.protocol),
                        state=_STATES_BY_VALUE.get(w.state, "genesis_pending"),
                        versions=_versions_from_pb(w.versions), heartbeat_interval_s=w.heartbeat_interval_s,
-                       shard_index=w.shard_index, shard_count=w.shard_count or 1)
+                       shard_index=w.shard_index, shard_count=w.shard_count or 1, fleet_step=w.fleet_step)
     if body == "resync":
         r = m.resync
         return Resync(fragment_ids=tuple(r.fragment_ids), reason=_reason_name(r.reason) if r.reason else "",

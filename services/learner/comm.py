@@ -76,6 +76,7 @@ class JoinState:
 
     ready: threading.Event = field(default_factory=threading.Event)
     genesis: bool = False
+    fleet_step: int = 0
     fetched: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     error: str | None = None
 
@@ -294,6 +295,7 @@ class Comm:
             self.log.info("genesis uploaded", fragments=self.layout.num_fragments)
             return
         if not self.joined:
+            self.join.fleet_step = welcome.fleet_step
             fetched = await self._fetch(stream, ())
             self.join.fetched = {p: (a.version, a.values) for p, a in fetched.items()}
             self.joined = True

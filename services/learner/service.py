@@ -79,6 +79,8 @@ class Learner:
         self.sequence = itertools.count(1)
         self.tokens = 0
         self.blocked_s = 0.0
+        self.phase = 0
+        """Offset of this learner's fragment schedule: the fleet's step when it joined."""
         self.metrics = LearnerMetrics()
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_port)
@@ -115,6 +117,7 @@ class Learner:
                 self.base[frag.index] = gather(frag, self.params)
                 self.version[frag.index] = 0
         else:
+            self.phase = self.comm.join.fleet_step
             for p, (version, values) in self.comm.join.fetched.items():
                 scatter(self.layout[p], values, self.params)
                 self.base[p] = values.clone()
@@ -122,7 +125,7 @@ class Learner:
         self.events.emit("start", num_fragments=self.layout.num_fragments,
                          fragment_sizes=[f.numel for f in self.layout], params=num_params(self.inner.model),
                          genesis=self.comm.join.genesis, versions=dict(self.version), shard=self.shard_index,
-                         mode=self.cfg.protocol.mode, apply_policy=self.cfg.apply_policy,
+                         mode=self.cfg.protocol.mode, apply_policy=self.cfg.apply_policy, phase=self.phase,
                          config=to_dict(self.cfg))
         self.log.info("joined", genesis=self.comm.join.genesis, params=num_params(self.inner.model),
                       fragments=self.layout.num_fragments, shard=f"{self.shard_index}/{self.num_shards}")
@@ -144,7 +147,7 @@ class Learner:
             for c in self.counters.values():
                 c[0] += batch_tokens
                 c[1] += 1
-            for p in self.schedule.due(step):
+            for p in self.schedule.due(step + self.phase):
                 self._send(p, step)
             ema_step = step_s if ema_step == 0 else 0.9 * ema_step + 0.1 * step_s
             stats = self.comm.stats

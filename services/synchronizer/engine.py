@@ -301,14 +301,15 @@ class Engine:
         welcome = Welcome(synchronizer_id=self.synchronizer_id, protocol=mine, state=state,
                           versions={p: f.version for p, f in self.fragments.items()},
                           heartbeat_interval_s=self.cfg.heartbeat_interval_s,
-                          shard_index=self.cfg.shard_index, shard_count=self.cfg.shard_count)
+                          shard_index=self.cfg.shard_index, shard_count=self.cfg.shard_count,
+                          fleet_step=self.membership.fleet_step(now, exclude=hello.learner_id))
         return rec, welcome
 
     def touch(self, rec: LearnerRecord) -> None:
         rec.last_seen = self.clock()
 
     def heartbeat(self, rec: LearnerRecord, hb: Heartbeat) -> None:
-        rec.last_seen = self.clock()
+        rec.last_seen = rec.heartbeat_at = self.clock()
         rec.step, rec.tokens_total, rec.tokens_per_s = hb.step, hb.tokens_total, hb.tokens_per_s
         if hb.step_time_s > 0:
             rec.step_time_s = hb.step_time_s

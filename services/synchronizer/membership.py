@@ -27,6 +27,7 @@ class LearnerRecord:
     tokens_total: int = 0
     tokens_per_s: float = 0.0
     step_time_s: float = 0.0
+    heartbeat_at: float = 0.0
     merged: int = 0
     rejected: int = 0
     superseded: int = 0
@@ -86,6 +87,14 @@ class Membership:
 
     def live(self, now: float) -> frozenset[str]:
         return frozenset(lid for lid, r in self.learners.items() if self.is_live(r, now))
+
+    def fleet_step(self, now: float, exclude: str = "") -> int:
+        """Median inner step of the live learners (but ``exclude``), extrapolated from their heartbeats."""
+        steps = sorted(
+            r.step + (int((now - r.heartbeat_at) / r.step_time_s) if r.step_time_s > 0 else 0)
+            for r in self.learners.values()
+            if r.learner_id != exclude and r.heartbeat_at > 0 and self.is_live(r, now))
+        return steps[len(steps) // 2] if steps else 0
 
     def connected(self) -> list[LearnerRecord]:
         return [r for r in self.learners.values() if r.connected]

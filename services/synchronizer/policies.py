@@ -10,7 +10,7 @@ Decision for one fragment's round (a round opens with the first contribution aft
 1. No contribution yet: wait.
 2. Fewer than the required quorum K: wait (streaming mode: merge what arrived once ``timeout_s``
    has passed since the round opened, so one dead learner cannot stall everyone forever).
-3. Every live learner has contributed: merge at once.
+3. Every live learner has contributed to this round (against the current version): merge at once.
 4. Quorum reached: wait out the adaptive grace window, paper Eq. 3,
    ``grace = clamp(gamma * (tau * step_time - quorum_time - sync_time), 0, max_grace)``,
    measured from the moment the quorum was reached, then merge whatever is there.
@@ -63,6 +63,10 @@ class RoundView:
     """Learners with a contribution in the inbox."""
     live: frozenset[str]
     """Learners that currently count for quorums."""
+    fresh: frozenset[str] | None = None
+    """Contributors whose contribution was computed against the current version (None: all of
+    them). Only these satisfy "every live learner has contributed": a stale leftover from the
+    previous round says nothing about whether the learner's contribution to this round is near."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,8 @@ def decide(now: float, view: RoundView, timings: Timings, overlap: int, policy: 
         return Decision(False, "no contributions")
     if view.opened_at is None:
         return Decision(False, f"{len(view.contributors)} stale contributions; round not open yet")
-    if view.live and view.live <= view.contributors:
+    arrived = view.contributors if view.fresh is None else view.fresh
+    if view.live and view.live <= arrived:
         return Decision(True, f"all {len(view.live)} live learners contributed")
     reached, why = quorum_reached(view, policy)
     if not reached:

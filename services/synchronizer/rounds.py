@@ -82,12 +82,13 @@ class FragmentRound:
                 oldest = self.inbox.oldest_arrival()
                 if oldest is not None and now - oldest >= self.engine.cfg.stale_round_s:
                     self.opened_at = now
-        view = RoundView(self.opened_at, self.quorum_at, self.inbox.contributors, live)
+        fresh = frozenset(e.learner_id for e in self.inbox.entries if e.base_version == version)
+        view = RoundView(self.opened_at, self.quorum_at, self.inbox.contributors, live, fresh)
         if self.opened_at is not None and self.quorum_at is None:
             reached, _ = quorum_reached(view, self.engine.cfg.policy)
             if reached:
                 self.quorum_at = now
-                view = RoundView(self.opened_at, self.quorum_at, view.contributors, live)
+                view = RoundView(self.opened_at, self.quorum_at, view.contributors, live, fresh)
         return view
 
     async def _run(self) -> None:

@@ -243,7 +243,7 @@ class LearnerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., chunk: _Optional[_Union[FragmentChunk, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("synchronizer_id", "protocol", "versions", "state", "heartbeat_interval_s", "shard_index", "shard_count")
+    __slots__ = ("synchronizer_id", "protocol", "versions", "state", "heartbeat_interval_s", "shard_index", "shard_count", "fleet_step")
     SYNCHRONIZER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class Welcome(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FLEET_STEP_FIELD_NUMBER: _ClassVar[int]
     synchronizer_id: str
     protocol: ProtocolParams
     versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
@@ -258,7 +259,8 @@ class Welcome(_message.Message):
     heartbeat_interval_s: float
     shard_index: int
     shard_count: int
-    def __init__(self, synchronizer_id: _Optional[str] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., state: _Optional[_Union[StateStatus, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+    fleet_step: int
+    def __init__(self, synchronizer_id: _Optional[str] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., state: _Optional[_Union[StateStatus, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., fleet_step: _Optional[int] = ...) -> None: ...
 
 class ContributionResult(_message.Message):
     __slots__ = ("sequence", "fragment_id", "outcome", "version", "reason", "detail", "weight", "staleness")
