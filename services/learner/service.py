@@ -168,11 +168,14 @@ class Learner:
                 self.log.info("draining", step=step)
                 break
         final = self._eval(step)
+        wall = time.time() - started
+        # Training ends here. Waiting below for the last contributions' results is shutdown
+        # bookkeeping of a finite run (a deployed learner never stops), so it is logged apart.
+        self.events.emit("end", step=step, tokens=self.tokens, eval_loss=final, wall_s=wall,
+                         blocked_s=self.blocked_s)
         answered = self.comm.flush(timeout_s=30.0)
         self.comm.stop("finished" if not self.comm.draining.is_set() else "drained")
-        wall = time.time() - started
-        self.events.emit("end", step=step, tokens=self.tokens, eval_loss=final, wall_s=wall,
-                         blocked_s=self.blocked_s, all_answered=answered)
+        self.events.emit("flushed", all_answered=answered, pending_s=time.time() - started - wall)
         self.events.close()
         return {"learner_id": self.learner_id, "steps": step, "tokens": self.tokens, "eval_loss": final,
                 "wall_s": wall, "blocked_s": self.blocked_s}
