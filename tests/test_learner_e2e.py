@@ -44,9 +44,13 @@ def _run(tmp_path: pathlib.Path, *args: str, extra: str = "", name: str = "run")
 
 
 def _first_loss(out: pathlib.Path) -> float:
-    losses = [e["loss"] for p in (out / "learners").glob("*.jsonl") for e in load_jsonl(p)
-              if e["event"] == "step" and e["step"] == 1]
-    return sum(losses) / len(losses)
+    """Training loss at the first step of the learner that uploaded the genesis model (~ln 256)."""
+    for p in sorted((out / "learners").glob("*.jsonl")):
+        events = load_jsonl(p)
+        start = next((e for e in events if e["event"] == "start"), None)
+        if start is not None and start.get("genesis", True):
+            return next(e["loss"] for e in events if e["event"] == "step")
+    raise AssertionError("no genesis learner log")
 
 
 def test_decoupled_run_with_two_learners(tmp_path):

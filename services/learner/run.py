@@ -18,10 +18,8 @@ import asyncio
 import contextlib
 import copy
 import json
-import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import yaml
 
 from ddiloco.config import read_config_file
+from ddiloco.learner.chaos import FaultPlan
 
 MODES = ("decoupled", "streaming", "diloco", "dp")
 
@@ -85,31 +84,6 @@ def _validate(doc: dict[str, Any]) -> None:
     build(SynchronizerConfig, section, "synchronizer")
 
 
-class Children:
-    """Processes this run started; all are stopped by pid on exit."""
-
-    def __init__(self) -> None:
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, argv: list[str], log: pathlib.Path) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, DDILOCO_LOG_JSON="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "ab"), env=env)  # noqa: SIM115
-        self.procs[name] = proc
-        return proc
-
-    def stop_all(self, timeout_s: float = 20.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 class Tail:
     """Incrementally reads complete lines of a growing JSON Lines file."""
 
@@ -132,21 +106,6 @@ class Tail:
             with contextlib.suppress(json.JSONDecodeError):
                 out.append(json.loads(line))
         return out
-
-
-def _cli() -> list[str]:
-    return [sys.executable, "-m", "ddiloco.cli"]
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], path: pathlib.Path, timeout_s: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"synchronizer exited with code {proc.returncode} before serving")
-        if time.monotonic() > deadline:
-            raise RuntimeError("synchronizer did not start serving in time")
-        time.sleep(0.05)
-    return json.loads(path.read_text())
 
 
 def evaluate_global(target: str, doc_path: pathlib.Path, eval_batches: int) -> float:
@@ -182,67 +141,64 @@ def evaluate_global(target: str, doc_path: pathlib.Path, eval_batches: int) -> f
     return evaluate(model, batches, torch.device("cpu"))
 
 
-def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool) -> dict[str, Any]:
+def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
+                    plan: FaultPlan | None = None) -> dict[str, Any]:
     from tqdm import tqdm
+
+    from ddiloco.learner.cluster import LocalCluster
 
     run = doc["run"]
     n, steps = int(run["learners"]), int(run["steps"])
     cfg_path = out / "config.yaml"
-    (out / "learners").mkdir(exist_ok=True)
-    (out / "logs").mkdir(exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // n)
-    children = Children()
+    cluster = LocalCluster(out, cfg_path, learners=n, steps=steps, plan=plan)
     started = time.time()
     try:
-        ready_file = out / "synchronizer.ready.json"
-        sync = children.start("synchronizer", [
-            *_cli(), "synchronizer", "--listen", "127.0.0.1:0", "--state-dir", str(out / "state"),
-            "--config", str(cfg_path), "--merge-log", str(out / "merges.jsonl"),
-            "--ready-file", str(ready_file)], out / "logs" / "synchronizer.log")
-        port = _wait_ready(sync, ready_file)["port"]
-        target = f"127.0.0.1:{port}"
-        tails = {}
+        cluster.start_synchronizer()
         for i in range(n):
-            lid = f"learner-{i}"
-            path = out / "learners" / f"{lid}.jsonl"
-            children.start(lid, [*_cli(), "learner", "--synchronizer", target, "--learner-id", lid, "--config",
-                                 str(cfg_path), "--shard", str(i), "--num-shards", str(n), "--threads", str(threads),
-                                 "--metrics-file", str(path)], out / "logs" / f"{lid}.log")
-            tails[lid] = Tail(path)
+            cluster.start_learner(f"learner-{i}")
+        if plan is not None:
+            cluster.start_chaos()
+        tails: dict[str, Tail] = {}
         merges_tail = Tail(out / "merges.jsonl")
         bar = tqdm(total=n * steps, unit="step", disable=not show_progress, dynamic_ncols=True,
-                   desc=f"{run['mode']} x{n}")
-        done_steps = {lid: 0 for lid in tails}
+                   desc=f"{run['mode']} x{n}" + (" chaos" if plan else ""))
+        done: dict[tuple[str, int], int] = {}
         last_loss: dict[str, float] = {}
-        tokens: dict[str, int] = {}
         merges = 0
         while True:
-            for lid, tail in tails.items():
+            for lid in cluster.learners():
+                tail = tails.setdefault(lid, Tail(out / "learners" / f"{lid}.jsonl"))
                 for e in tail.read():
                     if e["event"] == "step":
-                        done_steps[lid] = e["step"]
+                        done[(lid, e["incarnation"])] = e["step"]
                         last_loss[lid] = e["loss"]
-                        tokens[lid] = e["tokens"]
             merges += sum(1 for e in merges_tail.read() if e.get("event") == "merge")
-            alive = [lid for lid in tails if children.procs[lid].poll() is None]
-            bar.n = sum(done_steps.values())
+            alive = cluster.alive_learners()
+            bar.n = min(bar.total, sum(done.values()))
             loss = sum(last_loss.values()) / len(last_loss) if last_loss else float("nan")
-            bar.set_postfix(tokens=f"{sum(tokens.values()) / 1e6:.2f}M", loss=f"{loss:.3f}", merges=merges,
-                            live=len(alive), refresh=False)
+            tokens = sum(done.values()) * int(doc["data"]["batch_size"]) * int(doc["data"]["context"])
+            bar.set_postfix(tokens=f"{tokens / 1e6:.2f}M", loss=f"{loss:.3f}", merges=merges, live=len(alive),
+                            refresh=False)
             bar.refresh()
-            if not alive:
+            if cluster.finished():
                 break
-            if sync.poll() is not None:
+            sync = cluster.procs["synchronizer"]
+            if plan is None and sync.poll() is not None:
                 raise RuntimeError(f"synchronizer exited with code {sync.returncode} during the run")
             time.sleep(0.5)
         bar.close()
-        failed = {lid: children.procs[lid].returncode for lid in tails if children.procs[lid].returncode != 0}
-        final = evaluate_global(target, cfg_path, int(run["final_eval_batches"]))
-        status = _status(target)
+        if cluster.driver is not None:
+            cluster.driver.stop()
+        failed = {lid: cluster.procs[lid].returncode for lid in cluster.learners()
+                  if cluster.procs[lid].returncode not in (0, -signal.SIGKILL)}
+        final = evaluate_global(cluster.target, cfg_path, int(run["final_eval_batches"]))
+        status = _status(cluster.target)
+        faults = cluster.driver.injected if cluster.driver is not None else []
     finally:
-        children.stop_all()
+        cluster.stop_all()
     wall = time.time() - started
-    return {"final_eval_loss": final, "wall_s": wall, "failed_learners": failed, "status": status}
+    return {"final_eval_loss": final, "wall_s": wall, "failed_learners": failed, "status": status,
+            "faults_injected": faults, "started_t": started}
 
 
 def _status(target: str) -> dict[str, Any]:
@@ -255,6 +211,7 @@ def _status(target: str) -> dict[str, Any]:
 def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
     from ddiloco.learner.data import load_corpus, unigram_entropy
     from ddiloco.learner.goodput import fleet_summary, load_jsonl
+    from ddiloco.learner.invariants import check as check_invariants
 
     run = doc["run"]
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
@@ -285,6 +242,8 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         "compute_share": fleet.get("compute_share"),
         "contributions": fleet.get("contributions"),
         "faults_injected": result.get("faults_injected", []),
+        "invariants": check_invariants(logs, merge_log, fleet, result.get("started_t", 0.0))
+        if result.get("faults_injected") else None,
         "failed_learners": result.get("failed_learners", {}),
         "wall_s": result["wall_s"],
         "seed": int(run["seed"]),
@@ -308,12 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     from ddiloco.logs import configure
 
     configure(json=True)
-    if args.chaos:
-        print("ddiloco run: --chaos is not available in this version yet (fault injection lands with the chaos "
-              "driver); run without it", file=sys.stderr)
-        return 2
     try:
         doc = resolve(args)
+        plan = None
+        if args.chaos:
+            if doc["run"]["mode"] == "dp":
+                raise ValueError("--chaos needs a distributed mode, not dp")
+            n = int(doc["run"]["learners"])
+            plan = FaultPlan.parse(args.chaos, learners=[f"learner-{i}" for i in range(n)],
+                                   duration_s=float(doc["run"].get("chaos_horizon_s", 300.0)))
     except ValueError as exc:
         print(f"ddiloco run: {exc}", file=sys.stderr)
         return 2
@@ -333,13 +295,13 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run_dp(doc, out, show_progress=show)
     else:
-        result = run_distributed(doc, out, show_progress=show)
+        result = run_distributed(doc, out, show_progress=show, plan=plan)
     summary = summarize(doc, out, result)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
         from ddiloco.learner.plots import plot_run
 
-        plot_run(out, out)
+        plot_run(out, out, global_eval=[(summary["tokens"], summary["final_eval_loss"])])
     except Exception as exc:  # plots are a convenience; the summary is the contract
         print(f"ddiloco run: plotting failed: {exc}", file=sys.stderr)
     print(json.dumps({k: summary[k] for k in ("mode", "learners", "steps", "tokens", "merges", "final_eval_loss",
