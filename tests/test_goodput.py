@@ -329,3 +329,26 @@ def test_load_run_dir_sorts_logs_by_content(tmp_path: Path) -> None:
     logs = load_run_dir(tmp_path)
     assert sorted(logs.learners) == ["1", "l0"]
     assert [e["event"] for e in logs.merges] == ["sync_start", "merge"]
+
+
+def test_short_loop_gaps_of_one_learner_are_progress_but_stalls_are_not() -> None:
+    from ddiloco.learner.goodput import fleet_summary
+
+    def log(gaps: list[float]) -> list[dict]:
+        events = [{"event": "start", "t": 0.0, "learner_id": "a", "incarnation": 1, "num_fragments": 1,
+                   "fragment_sizes": [10]}]
+        t = 0.0
+        for step, gap in enumerate(gaps, start=1):
+            t += gap + 1.0
+            events.append({"event": "step", "t": t, "learner_id": "a", "incarnation": 1, "step": step,
+                           "step_s": 1.0, "blocked_s": 0.0, "loss": 1.0, "tokens": step})
+        events += [{"event": "send", "t": t, "learner_id": "a", "incarnation": 1, "step": len(gaps), "fragment": 0,
+                    "sequence": 1, "base_version": 0, "tokens": 1, "steps": 1, "from_step": 1, "to_step": len(gaps)},
+                   {"event": "result", "t": t, "learner_id": "a", "incarnation": 1, "sequence": 1, "fragment": 0,
+                    "outcome": "merged", "version": 1},
+                   {"event": "end", "t": t, "learner_id": "a", "incarnation": 1, "step": len(gaps)}]
+        return events
+
+    assert fleet_summary({"a": log([0.0, 0.1, 0.2, 0.1])}, [])["global_downtime_s"] == 0.0
+    # a 3 s stall between steps 2 and 3 is real downtime
+    assert abs(fleet_summary({"a": log([0.0, 0.1, 3.0, 0.1])}, [])["global_downtime_s"] - 3.0) < 1e-9

@@ -231,6 +231,21 @@ def _analyse_incarnation(bucket: _Bucket, index: int) -> _Incarnation:
     )
 
 
+LOOP_GAP_S = 0.25
+"""A gap this short between two steps of one learner is its own loop's work (sampling the next
+batch, handing a fragment over, logging), not an absence of progress: for global downtime the
+step is taken to start where the previous one ended."""
+
+
+def _busy_starts(step_t: np.ndarray, step_s: np.ndarray) -> np.ndarray:
+    starts = step_t - step_s
+    if len(step_t) > 1:
+        gap = starts[1:] - step_t[:-1]
+        bridge = (gap >= 0) & (gap <= LOOP_GAP_S)
+        starts[1:] = np.where(bridge, step_t[:-1], starts[1:])
+    return starts
+
+
 def _good_fraction(step_no: np.ndarray, windows: Mapping[int, list[tuple[int, int]]],
                    sizes: np.ndarray) -> np.ndarray:
     """Per step, the size share of fragments whose merged contributions cover that step."""
@@ -513,9 +528,8 @@ def fleet_summary(learner_logs: Mapping[str, Sequence[Mapping[str, Any]]],
         return float(sum(r[key] for r in per_learner.values()))
 
     step_t = np.concatenate([i.step_t for i in incs]) if incs else np.empty(0)
-    step_s = np.concatenate([i.step_s for i in incs]) if incs else np.empty(0)
     good_frac = np.concatenate([i.good_frac for i in incs]) if incs else np.empty(0)
-    starts = step_t - step_s
+    starts = np.concatenate([_busy_starts(i.step_t, i.step_s) for i in incs]) if incs else np.empty(0)
     window: tuple[float, float] | None = None
     downtime, intervals = None, np.empty((0, 2))
     if len(step_t):

@@ -167,6 +167,11 @@ class Learner:
             if self.comm.draining.is_set():
                 self.log.info("draining", step=step)
                 break
+        # Hand over the progress made since each fragment's last send, so no trained step is lost
+        # when the learner finishes or drains.
+        for frag in self.layout:
+            if self.sent.get(frag.index) is None or self.sent[frag.index].step != step:
+                self._send(frag.index, step)
         final = self._eval(step)
         wall = time.time() - started
         # Training ends here. Waiting below for the last contributions' results is shutdown
