@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ddiloco.learner.goodput import (
+    KILLED_IN_FLIGHT,
     fleet_summary,
     learner_goodput,
     load_jsonl,
@@ -255,14 +256,22 @@ def test_unaccounted_contributions_are_listed() -> None:
     b = all_merged(3, lid="b")
     s = fleet_summary({"a": a, "b": b}, [])
     ca = s["contributions"]["per_learner"]["a"]
-    assert (ca["sent"], ca["merged"], ca["rejected"], ca["dropped"], ca["unaccounted"]) == (5, 1, 1, 1, 2)
-    assert ca["dropped_by_reason"] == {"replaced": 1}
+    # incarnation 0 was killed (no end): its unanswered sequence 2 was lost in flight with it
+    assert (ca["sent"], ca["merged"], ca["rejected"], ca["dropped"], ca["unaccounted"]) == (5, 1, 1, 2, 1)
+    assert ca["dropped_by_reason"] == {"replaced": 1, KILLED_IN_FLIGHT: 1}
     assert ca["sent"] == ca["merged"] + ca["rejected"] + ca["superseded"] + ca["dropped"] + ca["unaccounted"]
-    assert [(u["incarnation"], u["sequence"]) for u in ca["unaccounted_sequences"]] == [(0, 2), (1, 0)]
+    assert [(u["incarnation"], u["sequence"]) for u in ca["unaccounted_sequences"]] == [(1, 0)]
     totals = s["contributions"]["totals"]
-    assert (totals["sent"], totals["merged"], totals["unaccounted"]) == (6, 2, 2)
+    assert (totals["sent"], totals["merged"], totals["unaccounted"]) == (6, 2, 1)
     assert [(u["learner"], u["incarnation"], u["sequence"]) for u in totals["unaccounted_sequences"]] == [
-        ("a", 0, 2), ("a", 1, 0)]
+        ("a", 1, 0)]
+    # the synchronizer's log settles what the killed process never heard back about
+    merge_log = [{"event": "merge", "t": 7.0, "fragment": 0, "version": 3, "contributions": [["a", 0, 2]]},
+                 {"event": "reject", "t": 23.0, "fragment": 0, "learner": "a", "incarnation": 1, "sequence": 0,
+                  "reason": "stale"}]
+    ca = fleet_summary({"a": a, "b": b}, merge_log)["contributions"]["per_learner"]["a"]
+    assert (ca["merged"], ca["rejected"], ca["dropped"], ca["unaccounted"]) == (2, 2, 1, 0)
+    assert ca["rejected_by_reason"] == {"bad_shape": 1, "stale": 1}
 
 
 def test_result_wins_over_drop_and_merged_wins_over_later_results() -> None:

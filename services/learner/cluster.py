@@ -217,6 +217,16 @@ class LocalCluster:
             return
         elif e.net == "blackhole":
             proxy.blackhole(True)
+            assert self.driver is not None
+
+            def heal() -> None:
+                # Bytes dropped in the hole leave those connections unusable; once the hole closes,
+                # cut them so both ends notice now rather than at the next keepalive timeout.
+                proxy.clear()
+                proxy.reset()
+
+            self.driver.later(e.duration_s, heal)
+            return
         assert self.driver is not None
         self.driver.later(e.duration_s, proxy.clear)
 

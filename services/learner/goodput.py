@@ -360,6 +360,47 @@ def _sum_contributions(parts: Iterable[tuple[Any, Mapping[str, Any]]], tag: str)
     return total
 
 
+KILLED_IN_FLIGHT = "in flight when the learner process was killed"
+
+
+def _resolve_from_synchronizer(per_learner: Mapping[str, dict[str, Any]],
+                               merge_log: Sequence[Mapping[str, Any]]) -> None:
+    """Settle contributions a learner never heard back about, from the synchronizer's own log.
+
+    A process killed right after sending cannot log the result; the synchronizer's merge log
+    records every merged (learner, incarnation, sequence) and every rejection. What neither side
+    recorded, from a process that was killed, was lost in flight with it (dropped, with that
+    reason). Contributions of processes that ended normally stay unaccounted if unanswered.
+    """
+    merged: set[tuple[str, int, int]] = set()
+    rejected: dict[tuple[str, int, int], str] = {}
+    for e in merge_log:
+        if e.get("event") == "merge":
+            for lid, inc, seq in e.get("contributions") or ():
+                merged.add((str(lid), int(inc), int(seq)))
+        elif e.get("event") == "reject":
+            rejected[(str(e["learner"]), int(e["incarnation"]), int(e["sequence"]))] = str(e.get("reason", ""))
+    for lid, report in per_learner.items():
+        c = report["contributions"]
+        killed = {int(i["incarnation"]) for i in report.get("incarnations", []) if i.get("killed")}
+        keep = []
+        for u in c["unaccounted_sequences"]:
+            key = (lid, int(u["incarnation"]), int(u["sequence"]))
+            if key in merged:
+                c["merged"] += 1
+            elif key in rejected:
+                c["rejected"] += 1
+                c["rejected_by_reason"][rejected[key]] = c["rejected_by_reason"].get(rejected[key], 0) + 1
+            elif key[1] in killed:
+                c["dropped"] += 1
+                c["dropped_by_reason"][KILLED_IN_FLIGHT] = c["dropped_by_reason"].get(KILLED_IN_FLIGHT, 0) + 1
+            else:
+                keep.append(u)
+                continue
+            c["unaccounted"] -= 1
+        c["unaccounted_sequences"] = keep
+
+
 def _share(num: float, den: float) -> float:
     return float(num / den) if den > 0 else 0.0
 
@@ -539,6 +580,7 @@ def fleet_summary(learner_logs: Mapping[str, Sequence[Mapping[str, Any]]],
         downtime = float((intervals[:, 1] - intervals[:, 0]).sum())
     longest = intervals[np.argsort(intervals[:, 0] - intervals[:, 1], kind="stable")][:TOP_DOWNTIME_INTERVALS]
 
+    _resolve_from_synchronizer(per_learner, merge_log)
     contributions = {
         "per_learner": {lid: r["contributions"] for lid, r in per_learner.items()},
         "totals": _sum_contributions(

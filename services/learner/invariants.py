@@ -32,8 +32,9 @@ def versions_monotonic(merge_log: Sequence[Mapping[str, Any]]) -> tuple[bool, li
     return not problems, problems
 
 
-def restarted_learners(logs: Mapping[str, Sequence[Mapping[str, Any]]], run_start_t: float) -> dict[str, list[dict]]:
-    """Per learner id, every incarnation that started after the run began: its start and first merge."""
+def restarted_learners(logs: Mapping[str, Sequence[Mapping[str, Any]]], chaos_t: float) -> dict[str, list[dict]]:
+    """Per learner id, every incarnation started after the faults began (restarts, new learners):
+    when it started and how long until its first merged contribution."""
     out: dict[str, list[dict]] = {}
     for lid, events in logs.items():
         starts = {e["incarnation"]: e["t"] for e in events if e["event"] == "start"}
@@ -41,9 +42,9 @@ def restarted_learners(logs: Mapping[str, Sequence[Mapping[str, Any]]], run_star
         for e in events:
             if e["event"] == "result" and e.get("outcome") == "merged":
                 first_merge.setdefault(e["incarnation"], e["t"])
-        ordered = sorted(starts.items(), key=lambda kv: kv[1])
-        later = ordered[1:] if ordered and ordered[0][1] <= run_start_t + 60 else ordered
-        for inc, t in later:
+        for inc, t in sorted(starts.items(), key=lambda kv: kv[1]):
+            if t < chaos_t:
+                continue
             merged_t = first_merge.get(inc)
             out.setdefault(lid, []).append({
                 "incarnation": inc, "start_t": t, "contributed_again": merged_t is not None,
@@ -52,9 +53,10 @@ def restarted_learners(logs: Mapping[str, Sequence[Mapping[str, Any]]], run_star
 
 
 def check(logs: Mapping[str, Sequence[Mapping[str, Any]]], merge_log: Sequence[Mapping[str, Any]],
-          fleet: Mapping[str, Any], run_start_t: float) -> dict[str, Any]:
+          fleet: Mapping[str, Any], chaos_t: float) -> dict[str, Any]:
+    """``chaos_t``: when the fault plan started (every learner had joined)."""
     mono, problems = versions_monotonic(merge_log)
-    restarts = restarted_learners(logs, run_start_t)
+    restarts = restarted_learners(logs, chaos_t)
     unaccounted = int(((fleet.get("contributions") or {}).get("totals") or {}).get("unaccounted", 0))
     downtime = float(fleet.get("global_downtime_s") or 0.0)
     result = {

@@ -156,8 +156,8 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         cluster.start_synchronizer()
         for i in range(n):
             cluster.start_learner(f"learner-{i}")
-        if plan is not None:
-            cluster.start_chaos()
+        joined: set[str] = set()
+        chaos_started_t: float | None = None
         tails: dict[str, Tail] = {}
         merges_tail = Tail(out / "merges.jsonl")
         bar = tqdm(total=n * steps, unit="step", disable=not show_progress, dynamic_ncols=True,
@@ -169,6 +169,8 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
             for lid in cluster.learners():
                 tail = tails.setdefault(lid, Tail(out / "learners" / f"{lid}.jsonl"))
                 for e in tail.read():
+                    if e["event"] == "start":
+                        joined.add(lid)
                     if e["event"] == "step":
                         done[(lid, e["incarnation"])] = e["step"]
                         last_loss[lid] = e["loss"]
@@ -180,6 +182,9 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
             bar.set_postfix(tokens=f"{tokens / 1e6:.2f}M", loss=f"{loss:.3f}", merges=merges, live=len(alive),
                             refresh=False)
             bar.refresh()
+            if plan is not None and chaos_started_t is None and len(joined) >= n:
+                cluster.start_chaos()  # fault times count from the moment every learner trains
+                chaos_started_t = time.time()
             if cluster.finished():
                 break
             sync = cluster.procs["synchronizer"]
@@ -198,7 +203,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         cluster.stop_all()
     wall = time.time() - started
     return {"final_eval_loss": final, "wall_s": wall, "failed_learners": failed, "status": status,
-            "faults_injected": faults, "started_t": started}
+            "faults_injected": faults, "chaos_started_t": chaos_started_t}
 
 
 def _status(target: str) -> dict[str, Any]:
@@ -242,8 +247,8 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         "compute_share": fleet.get("compute_share"),
         "contributions": fleet.get("contributions"),
         "faults_injected": result.get("faults_injected", []),
-        "invariants": check_invariants(logs, merge_log, fleet, result.get("started_t", 0.0))
-        if result.get("faults_injected") else None,
+        "invariants": check_invariants(logs, merge_log, fleet, result["chaos_started_t"])
+        if result.get("chaos_started_t") else None,
         "failed_learners": result.get("failed_learners", {}),
         "wall_s": result["wall_s"],
         "seed": int(run["seed"]),

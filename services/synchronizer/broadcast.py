@@ -66,6 +66,13 @@ class Outbox:
                 break
         self._wake.set()
 
+    def drop_results(self) -> int:
+        """Forget queued results (their learner process is gone; a new one must not get them)."""
+        kept = deque(m for m in self._control if not isinstance(m, ContributionResult))
+        dropped = len(self._control) - len(kept)
+        self._control = kept
+        return dropped
+
     def pending(self) -> int:
         return len(self._globals) + len(self._control)
 

@@ -204,6 +204,8 @@ class Engine:
 
     def reject(self, c: Contribution, reason: str, detail: str, *, resync: bool = False) -> None:
         self._count_rejection(reason, c.tokens)
+        self._log_event({"event": "reject", "t": self.wall(), "fragment": c.fragment, "learner": c.learner_id,
+                         "incarnation": c.incarnation, "sequence": c.sequence, "reason": reason})
         rec = self.membership.learners.get(c.learner_id)
         self.log.warning("contribution rejected", learner_id=c.learner_id, fragment=c.fragment,
                          version=c.base_version, sequence=c.sequence, reason=reason, detail=detail)
@@ -227,7 +229,7 @@ class Engine:
 
     def record_merge(self, fragment: int, version: int, quorum: int, grace_s: float, merge_s: float,
                      commit_s: float, sync_s: float, quorum_time_s: float, staleness: list[int],
-                     learners: list[str]) -> None:
+                     contributions: list[Contribution]) -> None:
         self.merges_total += 1
         self._sync_time.update(sync_s)
         self._quorum_time.update(quorum_time_s)
@@ -238,7 +240,9 @@ class Engine:
         m.merge_seconds.observe(merge_s)
         m.commit_seconds.observe(commit_s)
         entry = {"event": "merge", "t": self.wall(), "fragment": fragment, "version": version, "quorum": quorum,
-                 "learners": learners, "grace_s": grace_s, "sync_s": sync_s, "staleness": staleness}
+                 "learners": [c.learner_id for c in contributions], "grace_s": grace_s, "sync_s": sync_s,
+                 "staleness": staleness,
+                 "contributions": [[c.learner_id, c.incarnation, c.sequence] for c in contributions]}
         self.merge_log.append(entry)
         if len(self.merge_log) > 100_000:
             del self.merge_log[:50_000]
@@ -455,7 +459,8 @@ class Engine:
             self.log.warning("stream rejected", learner_id=rec.learner_id, reason=reason, detail=detail)
             return
         self.reject(Contribution(rec.learner_id, header.sequence, header.fragment_id, header.version,
-                                 header.tokens, header.steps, self.clock()), reason, detail)
+                                 header.tokens, header.steps, self.clock(), incarnation=rec.incarnation),
+                    reason, detail)
 
     # -- reads ----------------------------------------------------------------------------
 

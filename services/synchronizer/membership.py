@@ -65,7 +65,10 @@ class Membership:
         record.last_seen = now
         record.labels = dict(labels)
         if incarnation != record.incarnation:
+            # A new process under this id: results queued for the old one would be matched to the
+            # new process's own sequence numbers. The merge log keeps the old process's outcomes.
             record.held = {}
+            record.outbox.drop_results()
         record.incarnation = incarnation
         return record
 

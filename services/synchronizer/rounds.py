@@ -155,7 +155,7 @@ class FragmentRound:
         sync_s = time.perf_counter() - started
         engine.record_merge(self.index, version + 1, len(entries), grace_s, outcome.merge_s, outcome.commit_s,
                             sync_s, (quorum_at - opened_at) if quorum_at and opened_at else 0.0, staleness,
-                            [c.learner_id for c in entries])
+                            entries)
         self.log.info("merged", version=version + 1, quorum=len(entries), reason=reason,
                       grace_s=round(grace_s, 4), sync_s=round(sync_s, 4),
                       learners=[c.learner_id for c in entries], staleness=staleness)
