@@ -53,7 +53,8 @@ def _chaos_run(tmp_path: pathlib.Path, plan: FaultPlan, *, steps: int = 500, lea
 
 
 def test_learner_killed_and_restarted_contributes_again(tmp_path):
-    s = _chaos_run(tmp_path, FaultPlan().kill("learner-1", at_s=3, restart_after_s=2))
+    # long enough that the others still train while the restarted process starts up (~5 s here)
+    s = _chaos_run(tmp_path, FaultPlan().kill("learner-1", at_s=3, restart_after_s=2), steps=1500)
     restarted = s["invariants"]["restarted_learners"]["learner-1"]
     assert restarted and restarted[0]["contributed_again"]
     assert restarted[0]["restart_to_first_merge_s"] < 60
@@ -86,7 +87,7 @@ def test_scale_up_and_drain(tmp_path):
 def test_mixed_plan(tmp_path):
     plan = (FaultPlan().kill("learner-0", at_s=3, restart_after_s=2).stop("learner-1", at_s=4, duration_s=3)
             .net("learner-2", "reset", at_s=5).kill_synchronizer(at_s=7, restart_after_s=1))
-    s = _chaos_run(tmp_path, plan, steps=600)
+    s = _chaos_run(tmp_path, plan, steps=1500)
     assert s["invariants"]["all_hold"], s["invariants"]
 
 
