@@ -405,6 +405,12 @@ def _share(num: float, den: float) -> float:
     return float(num / den) if den > 0 else 0.0
 
 
+def _time_shares(wall: float, compute: float, blocked: float, good: float) -> dict[str, float]:
+    return {"wall_s": wall, "compute_s": compute, "blocked_s": blocked, "good_s": good,
+            "goodput": _share(good, wall), "compute_share": _share(compute, wall),
+            "blocked_share": _share(blocked, wall)}
+
+
 def _incarnation_report(inc: _Incarnation) -> dict[str, Any]:
     wall = inc.wall_s
     compute = float(inc.step_s.sum())
@@ -418,13 +424,7 @@ def _incarnation_report(inc: _Incarnation) -> dict[str, Any]:
         "steps": len(inc.step_t),
         "tokens": inc.tokens,
         "good_tokens": inc.good_tokens,
-        "wall_s": wall,
-        "compute_s": compute,
-        "blocked_s": blocked,
-        "good_s": good,
-        "goodput": _share(good, wall),
-        "compute_share": _share(compute, wall),
-        "blocked_share": _share(blocked, wall),
+        **_time_shares(wall, compute, blocked, good),
         "contributions": inc.contributions,
     }
 
@@ -444,13 +444,7 @@ def _analyse_learner(events: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any
         "steps": sum(r["steps"] for r in reports),
         "tokens": sum(r["tokens"] for r in reports),
         "good_tokens": sum(r["good_tokens"] for r in reports),
-        "wall_s": wall,
-        "compute_s": compute,
-        "blocked_s": blocked,
-        "good_s": good,
-        "goodput": _share(good, wall),
-        "compute_share": _share(compute, wall),
-        "blocked_share": _share(blocked, wall),
+        **_time_shares(wall, compute, blocked, good),
         "contributions": _sum_contributions(
             ((r["incarnation"], r["contributions"]) for r in reports), "incarnation"),
     }

@@ -243,12 +243,13 @@ def _check_out(out: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Tenso
         raise ValueError(f"out is on {out.device}, deltas on {x.device}")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
-    if _overlaps(out, x):
+    if tensors_overlap(out, x):
         raise ValueError("out must not overlap deltas")
     return out
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory spans intersect (conservative for strided views)."""
     if a.numel() == 0 or b.numel() == 0:
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():

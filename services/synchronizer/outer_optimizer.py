@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddiloco.synchronizer.merge import tensors_overlap
+
 _CHUNK = 1 << 20
 """Values per chunk (4 MiB per fp32 operand, 12 MiB in flight: a last-level cache). Smaller chunks
 measured slower: each op is a parallel region whose fixed cost dominates, worse on a busy host."""
@@ -61,7 +63,7 @@ class OuterNesterov:
         for a, b, name_a, name_b in ((params, momentum_buf, "params", "momentum_buf"),
                                      (params, delta, "params", "delta"),
                                      (momentum_buf, delta, "momentum_buf", "delta")):
-            if _shares_memory(a, b):
+            if tensors_overlap(a, b):
                 raise ValueError(f"{name_a} and {name_b} must not share memory")
         p_flat, b_flat, d_flat = params.view(-1), momentum_buf.view(-1), delta.reshape(-1)
         mu, lr = self.momentum, self.lr
@@ -81,17 +83,3 @@ def _check(params: torch.Tensor, other: torch.Tensor, name: str) -> None:
         raise ValueError(f"params on {params.device}, {name} on {other.device}")
     if not params.is_contiguous() or (name == "momentum_buf" and not other.is_contiguous()):
         raise ValueError(f"params{' and momentum_buf' if name == 'momentum_buf' else ''} must be contiguous")
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
