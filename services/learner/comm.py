@@ -30,7 +30,6 @@ from ddiloco.fragments import wire
 from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.error_feedback import ErrorFeedback
-from ddiloco.fragments.errors import FragmentError
 from ddiloco.fragments.partition import FragmentLayout
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
 from ddiloco.learner.config import LearnerConfig
@@ -202,11 +201,16 @@ class Comm:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        def log_retry(state: Any) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            self.log.info("reconnecting", attempt=state.attempt_number, error=str(exc)[:200],
+                          wait_s=round(state.next_action.sleep, 3) if state.next_action else None)
+
+        # Any failure of a session (stream closed, RPC error, a bug in handling one message) ends
+        # that session only; the thread reconnects with backoff until the learner stops.
         retry = AsyncRetrying(
             wait=wait_exponential_jitter(initial=0.1, max=self.cfg.reconnect_max_s),
-            retry=retry_if_exception_type((StreamClosed, grpc.aio.AioRpcError, _Reconnect, OSError,
-                                           FragmentError)),
-            reraise=True)
+            retry=retry_if_exception_type(Exception), before_sleep=log_retry, reraise=True)
         try:
             async for attempt in retry:
                 with attempt:
