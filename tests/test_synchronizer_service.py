@@ -184,6 +184,8 @@ async def test_reconnect_with_same_id_replaces_old_stream_and_gets_results(tmp_p
     async with running_server(cfg) as server:
         a, b = await _ready(server, "a", "b")
         sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        # (bytes still unread on a replaced stream are dropped with it; the learner re-sends them)
+        await eventually(lambda: len(server.engine.rounds[0].inbox) == 1, what="a's contribution received")
         # a's process reconnects (same incarnation) on a new stream; the old one is ended.
         a2 = ScriptedLearner(server.port, "a")
         a2.incarnation = a.incarnation
