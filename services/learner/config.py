@@ -144,10 +144,5 @@ def load_learner_config(path: str | None, **overrides: object) -> LearnerConfig:
         if shared in data:
             section.setdefault(shared, data[shared])
     section.update({k: v for k, v in overrides.items() if v is not None})
-    cfg = build(LearnerConfig, section, "learner")
-    for name, cls in (("protocol", ProtocolConfig), ("model", ModelConfig), ("data", DataConfig),
-                      ("train", TrainConfig)):
-        value = getattr(cfg, name)
-        if isinstance(value, dict):
-            cfg = dataclasses.replace(cfg, **{name: build(cls, value, name)})
+    cfg = build(LearnerConfig, section, "learner")  # nested sections become their dataclasses
     return dataclasses.replace(cfg, protocol=protocol_for_mode(cfg.protocol.mode, cfg.protocol))

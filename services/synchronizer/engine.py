@@ -101,7 +101,6 @@ class Engine:
         self._step_time = RunningAverage(0.2)
         self._quorum_time = RunningAverage(0.2)
         self._sync_time = RunningAverage(0.2)
-        self.merge_log: list[dict[str, Any]] = []
         self._merge_log_file = open(cfg.merge_log, "a", buffering=1) if cfg.merge_log else None  # noqa: SIM115
         self._log_event({"event": "sync_start", "t": wall(), "synchronizer_id": self.synchronizer_id})
 
@@ -170,6 +169,13 @@ class Engine:
 
     async def run_blocking(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    def encode_global(self, spec: Fragment, params: torch.Tensor, version: int) -> GlobalTransfer:
+        """A committed version as one transfer, encoded once and shared by every outbox."""
+        chunks = encode_fragment(params, spec, codec=self.codec, kind="global", version=version,
+                                 transfer_id=self.next_transfer_id(), layout_hash=self.layout_hash,
+                                 max_chunk_bytes=self.cfg.protocol.max_chunk_bytes)
+        return GlobalTransfer(spec.index, version, tuple(chunks))
 
     def next_transfer_id(self) -> int:
         self._transfer_id += 1
@@ -243,9 +249,6 @@ class Engine:
                  "learners": [c.learner_id for c in contributions], "grace_s": grace_s, "sync_s": sync_s,
                  "staleness": staleness,
                  "contributions": [[c.learner_id, c.incarnation, c.sequence] for c in contributions]}
-        self.merge_log.append(entry)
-        if len(self.merge_log) > 100_000:
-            del self.merge_log[:50_000]
         self._log_event(entry)
 
     def _log_event(self, entry: dict[str, Any]) -> None:
@@ -476,11 +479,8 @@ class Engine:
             frag = self.fragments[p]
             cached = self.global_cache.get(p)
             if cached is None or cached.version != frag.version:
-                params, version = frag.params, frag.version
-                chunks = await self.run_blocking(lambda f=frag, x=params, v=version: encode_fragment(
-                    x, f.spec, codec=self.codec, kind="global", version=v, transfer_id=self.next_transfer_id(),
-                    layout_hash=self.layout_hash, max_chunk_bytes=self.cfg.protocol.max_chunk_bytes))
-                cached = GlobalTransfer(p, version, tuple(chunks))
+                version = frag.version
+                cached = await self.run_blocking(self.encode_global, frag.spec, frag.params, version)
                 if frag.version == version:
                     self.global_cache[p] = cached
             out.append(cached)

@@ -9,10 +9,9 @@ import json
 import signal
 import sys
 
-from ddiloco.config import ProtocolConfig, build, read_config_file
+from ddiloco.config import build, read_config_file
 from ddiloco.logs import configure, get_logger
 from ddiloco.synchronizer.config import SynchronizerConfig, with_mode
-from ddiloco.synchronizer.policies import QuorumPolicy
 
 
 def config_from_args(args: argparse.Namespace) -> SynchronizerConfig:
@@ -24,11 +23,7 @@ def config_from_args(args: argparse.Namespace) -> SynchronizerConfig:
         value = getattr(args, key)
         if value is not None:
             section[key] = value
-    cfg = build(SynchronizerConfig, section, "synchronizer")
-    if not isinstance(cfg.protocol, ProtocolConfig):
-        cfg = dataclasses.replace(cfg, protocol=build(ProtocolConfig, cfg.protocol or {}, "protocol"))
-    if not isinstance(cfg.policy, QuorumPolicy):
-        cfg = dataclasses.replace(cfg, policy=build(QuorumPolicy, cfg.policy or {}, "policy"))
+    cfg = build(SynchronizerConfig, section, "synchronizer")  # nested sections become their dataclasses
     mode = args.mode or cfg.protocol.mode
     cfg = with_mode(cfg, mode)
     if args.quorum is not None:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddiloco.fragments.payload import encode_fragment
 from ddiloco.fragments.wire import ContributionResult, Resync
 from ddiloco.synchronizer.broadcast import GlobalTransfer
 from ddiloco.synchronizer.commit import FragmentRecord
@@ -189,17 +188,14 @@ class FragmentRound:
         momentum = frag.momentum.clone()
         engine.outer.step(params, momentum, merged)
         merge_s = time.perf_counter() - t0
-        chunks = encode_fragment(params, frag.spec, codec=engine.codec, kind="global", version=version + 1,
-                                 transfer_id=engine.next_transfer_id(), layout_hash=engine.layout_hash,
-                                 max_chunk_bytes=engine.cfg.protocol.max_chunk_bytes)
+        transfer = engine.encode_global(frag.spec, params, version + 1)
         contributors = {sealed.entries[i].learner_id: [sealed.entries[i].incarnation, sealed.entries[i].sequence]
                         for i in keep}
         t1 = time.perf_counter()
         engine.store.commit(FragmentRecord(self.index, version + 1, params, momentum, frag.merges + 1,
                                            engine.wall(), contributors))
         commit_s = time.perf_counter() - t1
-        return MergeOutcome(params, momentum, GlobalTransfer(self.index, version + 1, tuple(chunks)),
-                            merge_s, commit_s, contributors)
+        return MergeOutcome(params, momentum, transfer, merge_s, commit_s, contributors)
 
     # -- arrivals -------------------------------------------------------------------------
 
