@@ -153,6 +153,20 @@ def test_killed_incarnation_ends_at_last_event_and_restart_adds_wall() -> None:
     assert g["tokens"] == pytest.approx(500 + 300)
 
 
+def test_events_before_start_belong_to_their_own_incarnation() -> None:
+    # A process logs "connect" before "start"; a restart does the same with its new incarnation.
+    def connect(t: float, inc: int) -> Event:
+        return {"event": "connect", "t": t, "learner_id": "a", "incarnation": inc}
+
+    log = [connect(-0.1, 7), start(0.0, inc=7), *steps(5), send(5.0, 0, 0, 0, 4), result(5.0, 0, 0, "merged"),
+           connect(19.9, 9), start(20.0, inc=9), *steps(3, t0=20.0), send(23.0, 0, 0, 0, 2),
+           result(23.2, 0, 0, "merged"), end(23.5, 2)]
+    g = learner_goodput(log)
+    assert [(i["incarnation"], i["killed"]) for i in g["incarnations"]] == [(7, True), (9, False)]
+    assert g["restarts"] == 1
+    assert g["wall_s"] == pytest.approx(8.5)
+
+
 def test_merged_result_of_one_incarnation_does_not_credit_another() -> None:
     # Both incarnations send sequence 0 for steps 0..2; only the second's is merged.
     log = [start(0.0), *steps(3), send(3.0, 0, 0, 0, 2),

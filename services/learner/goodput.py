@@ -163,6 +163,7 @@ class _Bucket:
 
     start: Mapping[str, Any] | None = None
     end: Mapping[str, Any] | None = None
+    incarnation: Any = None
     last_t: float | None = None
     by_kind: dict[str, list[Mapping[str, Any]]] = field(default_factory=dict)
 
@@ -171,12 +172,21 @@ class _Bucket:
 
 
 def _split_incarnations(events: Iterable[Mapping[str, Any]]) -> list[_Bucket]:
+    """Group events by process lifetime: a ``start`` or a change of the ``incarnation`` field begins
+    a new one, so events logged before a process's ``start`` (its first ``connect``) stay with it."""
     buckets: list[_Bucket] = []
     for e in events:
         kind = e.get("event")
-        if kind == "start" or not buckets:
-            buckets.append(_Bucket(start=e if kind == "start" else None))
-        b = buckets[-1]
+        inc = e.get("incarnation")
+        b = buckets[-1] if buckets else None
+        if (b is None or (kind == "start" and b.start is not None)
+                or (inc is not None and b.incarnation is not None and inc != b.incarnation)):
+            b = _Bucket()
+            buckets.append(b)
+        if b.incarnation is None:
+            b.incarnation = inc
+        if kind == "start":
+            b.start = e
         b.by_kind.setdefault(str(kind), []).append(e)
         if kind == "end":
             b.end = e
