@@ -34,7 +34,8 @@ learner: {reconnect_max_s: 1.0}
 """
 
 
-def _chaos_run(tmp_path: pathlib.Path, plan: FaultPlan, *, steps: int = 500, learners: int = 3) -> dict:
+def _chaos_run(tmp_path: pathlib.Path, plan: FaultPlan, *, steps: int = 500, learners: int = 3,
+               extra: tuple[str, ...] = ()) -> dict:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(TINY)
     plan_path = tmp_path / "plan.json"
@@ -42,7 +43,7 @@ def _chaos_run(tmp_path: pathlib.Path, plan: FaultPlan, *, steps: int = 500, lea
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--config", str(cfg), "--out", str(out),
                            "--no-progress", "--learners", str(learners), "--steps", str(steps), "--chaos",
-                           str(plan_path)], capture_output=True, text=True, timeout=300)
+                           str(plan_path), *extra], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert len(s["faults_injected"]) == len(plan.events)
@@ -95,6 +96,16 @@ def test_mixed_plan(tmp_path):
             .net("learner-2", "reset", at_s=5).kill_synchronizer(at_s=7, restart_after_s=1))
     s = _chaos_run(tmp_path, plan, steps=1500)
     assert s["invariants"]["all_hold"], s["invariants"]
+
+
+def test_no_fault_baseline_runs_after_the_chaos_run_and_is_reported(tmp_path):
+    s = _chaos_run(tmp_path, FaultPlan().stop("learner-1", at_s=2, duration_s=2), learners=2, steps=400,
+                   extra=("--baseline", "auto"))
+    base = json.loads((tmp_path / "run" / "baseline" / "summary.json").read_text())
+    assert base["faults_injected"] == [] and base["steps"] == s["steps"] == 800
+    assert s["baseline"]["final_eval_loss"] == base["final_eval_loss"]
+    gap = s["final_eval_loss"] / base["final_eval_loss"] - 1
+    assert s["eval_loss_vs_baseline"] == s["invariants"]["eval_loss_vs_no_fault"] == pytest.approx(gap)
 
 
 def test_plan_parsing_and_validation(tmp_path):

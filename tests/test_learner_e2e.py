@@ -71,6 +71,26 @@ def test_decoupled_run_with_two_learners(tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_baseline_run_dir_is_reported_beside_the_run_and_mismatches_are_refused(tmp_path):
+    base = _run(tmp_path, "--learners", "2", "--steps", "40", name="base")
+    s = _run(tmp_path, "--learners", "2", "--steps", "40", "--baseline", str(base["_out"]), name="again")
+    assert s["baseline"]["final_eval_loss"] == base["final_eval_loss"]
+    assert s["eval_loss_vs_baseline"] == pytest.approx(s["final_eval_loss"] / base["final_eval_loss"] - 1)
+    cfg = tmp_path / "base.yaml"
+    for args, message in ((["--steps", "41"], "steps_per_learner 40 (this run: 41)"),
+                          (["--steps", "40", "--seed", "3"], "seed 0 (this run: 3)"),
+                          (["--steps", "40", "--mode", "diloco"], "mode 'decoupled'")):
+        out = tmp_path / "refused"
+        proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--config", str(cfg), "--out", str(out),
+                               "--no-progress", "--learners", "2", *args, "--baseline", str(base["_out"])],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert not out.exists(), "a refused run must not start"
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--baseline", str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
 def test_dp_reference_sees_the_same_tokens(tmp_path):
     s = _run(tmp_path, "--learners", "2", "--steps", "60", "--mode", "dp")
     assert s["mode"] == "dp" and s["tokens"] == 120 * 8 * 32 and s["steps"] == 60

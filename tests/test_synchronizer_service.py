@@ -165,6 +165,43 @@ async def test_newer_contribution_supersedes_the_older_one(tmp_path):
             await lr.close()
 
 
+async def test_contribution_on_a_newer_base_is_summed_with_the_missed_one_and_both_merge(tmp_path):
+    # a's first contribution misses merge 1 (b and c made it); a then applies version 1 and sends
+    # its next progress against it. That one does not contain the first, so the two are summed.
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=2, grace_gamma=0.0, max_grace_s=0.0),
+                      stale_round_s=60.0, outer_lr=0.7, outer_momentum=0.0)
+    async with running_server(cfg) as server:
+        a, b, c = await _ready(server, "a", "b", "c")
+        theta0 = server.engine.fragments[0].params.clone()
+        db, dc = _delta(2, b, 0), _delta(3, c, 0)
+        sb, sc = await b.contribute(0, db, base_version=0), await c.contribute(0, dc, base_version=0)
+        assert (await b.wait_result(sb)).version == (await c.wait_result(sc)).version == 1
+        theta1 = server.engine.fragments[0].params.clone()
+        da0, da1 = _delta(4, a, 0), _delta(5, a, 0)
+        s0 = await a.contribute(0, da0, base_version=0, tokens=100, steps=4)  # stale: waits for a round
+        await eventually(lambda: len(server.engine.rounds[0].inbox) == 1, what="stale contribution held")
+        s1 = await a.contribute(0, da1, base_version=1, tokens=100, steps=4)
+        await asyncio.sleep(0.3)
+        assert a.result_for(s0) is None, "the older contribution must not be superseded"
+        sb2 = await b.contribute(0, db, base_version=1, tokens=100, steps=4)
+        r0, r1, rb = await a.wait_result(s0), await a.wait_result(s1), await b.wait_result(sb2)
+        assert r0.outcome == r1.outcome == rb.outcome == "merged" and r0.version == r1.version == 2
+        assert r0.staleness == r1.staleness == 0
+        status = {ls.learner_id: ls for ls in server.engine.status().learners}
+        assert (status["a"].merged, status["a"].superseded) == (2, 0)
+        # Hand-computed: row a = da0 + da1 (200 tokens / 8 steps: weight 200*25 against b's 100*25).
+        from ddiloco.synchronizer.merge import embedding_mask, merge_deltas
+
+        spec = server.engine.fragments[0].spec
+        segs = [(s, e) for _, s, e in spec.segments()]
+        emb = embedding_mask(spec, cfg.embedding_patterns)
+        d2 = merge_deltas(torch.stack([da0 + da1, db]), [2 / 3, 1 / 3], segs, emb, "rda")
+        torch.testing.assert_close(server.engine.fragments[0].params, theta1 - 0.7 * d2, rtol=1e-5, atol=1e-7)
+        assert not torch.equal(theta0, theta1)
+        for lr in (a, b, c):
+            await lr.close()
+
+
 async def test_dropped_stream_leaves_the_quorum_at_once(tmp_path):
     # K=0 (all live): with b gone, a alone is "all live" and merges immediately.
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=0, grace_gamma=0.0, max_grace_s=0.0, timeout_s=60))

@@ -256,6 +256,43 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
     }
 
 
+BASELINE_KEYS = ("mode", "learners", "steps_per_learner", "seed")
+"""What a no-fault baseline must share with the run it is compared with."""
+
+
+def load_baseline(run_dir: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """An earlier run's summary, checked to be comparable with the run ``doc`` describes."""
+    path = pathlib.Path(run_dir)
+    path = path if path.name == "summary.json" else path / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--baseline: cannot read {path}: {exc}") from exc
+    if not isinstance(summary, dict) or "final_eval_loss" not in summary:
+        raise ValueError(f"--baseline: {path} is not a ddiloco run summary")
+    run = doc["run"]
+    wanted = {"mode": run["mode"], "learners": int(run["learners"]), "steps_per_learner": int(run["steps"]),
+              "seed": int(run["seed"])}
+    differ = {k: (summary.get(k), v) for k, v in wanted.items() if summary.get(k) != v}
+    if differ:
+        detail = ", ".join(f"{k} {a!r} (this run: {b!r})" for k, (a, b) in differ.items())
+        raise ValueError(f"--baseline: {path} is not comparable: {detail}")
+    if summary.get("faults_injected"):
+        raise ValueError(f"--baseline: {path} had faults injected; a baseline must be a no-fault run")
+    return {"run": str(path.parent), **summary}
+
+
+def add_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> None:
+    """Put a no-fault run's final eval loss (and goodput) beside this run's, with the relative gap."""
+    base_loss = float(baseline["final_eval_loss"])
+    gap = float(summary["final_eval_loss"]) / base_loss - 1.0
+    summary["baseline"] = {"run": baseline["run"], "final_eval_loss": base_loss,
+                           "learner_goodput": baseline.get("learner_goodput"), "wall_s": baseline.get("wall_s")}
+    summary["eval_loss_vs_baseline"] = gap
+    if summary.get("invariants") is not None:
+        summary["invariants"]["eval_loss_vs_no_fault"] = gap
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddiloco run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")
     parser.add_argument("--config", help="YAML/JSON config with sections run, protocol, model, data, train, "
                                          "learner, synchronizer")
+    parser.add_argument("--baseline", metavar="auto|RUN_DIR",
+                        help="report the final eval loss beside a no-fault run with the same settings: 'auto' "
+                             "runs it after this one (in OUT/baseline), RUN_DIR reuses an earlier run's folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     from ddiloco.logs import configure
@@ -281,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             n = int(doc["run"]["learners"])
             plan = FaultPlan.parse(args.chaos, learners=[f"learner-{i}" for i in range(n)],
                                    duration_s=float(doc["run"].get("chaos_horizon_s", 300.0)))
+        baseline = load_baseline(args.baseline, doc) if args.baseline not in (None, "auto") else None
     except ValueError as exc:
         print(f"ddiloco run: {exc}", file=sys.stderr)
         return 2
@@ -295,13 +336,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddiloco run: invalid configuration: {exc}", file=sys.stderr)
         return 2
     show = not args.no_progress and sys.stderr.isatty()
-    if mode == "dp":
-        from ddiloco.learner.dp import run_dp
+    from ddiloco.learner.dp import run_dp
 
+    if mode == "dp":
         result = run_dp(doc, out, show_progress=show)
     else:
         result = run_distributed(doc, out, show_progress=show, plan=plan)
     summary = summarize(doc, out, result)
+    if args.baseline == "auto":
+        base_out = out / "baseline"
+        base_out.mkdir(exist_ok=True)
+        (base_out / "config.yaml").write_text(cfg_path.read_text())
+        print(f"ddiloco run: no-fault baseline run in {base_out}", file=sys.stderr)
+        base_result = (run_dp(doc, base_out, show_progress=show) if mode == "dp"
+                       else run_distributed(doc, base_out, show_progress=show, plan=None))
+        base_summary = summarize(doc, base_out, base_result)
+        (base_out / "summary.json").write_text(json.dumps(base_summary, indent=2))
+        baseline = {"run": str(base_out), **base_summary}
+    if baseline is not None:
+        add_baseline(summary, baseline)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
         from ddiloco.learner.plots import plot_run

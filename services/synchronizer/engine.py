@@ -201,12 +201,14 @@ class Engine:
     def merged(self, c: Contribution, version: int, weight: float, staleness: int) -> None:
         rec = self.membership.learners.get(c.learner_id)
         self.tokens_merged += c.tokens
-        self.metrics.contributions.labels("merged", "").inc()
         self.metrics.staleness.observe(staleness)
         if rec is not None:
-            rec.merged += 1
             rec.tokens_merged += c.tokens
-            self._send_result(rec, merged_result(c, version, weight, staleness))
+        for part in c.parts():  # a contribution and the older ones summed into it
+            self.metrics.contributions.labels("merged", "").inc()
+            if rec is not None:
+                rec.merged += 1
+                self._send_result(rec, merged_result(part, version, weight, staleness))
 
     def reject(self, c: Contribution, reason: str, detail: str, *, resync: bool = False) -> None:
         self._count_rejection(reason, c.tokens)
@@ -248,7 +250,8 @@ class Engine:
         entry = {"event": "merge", "t": self.wall(), "fragment": fragment, "version": version, "quorum": quorum,
                  "learners": [c.learner_id for c in contributions], "grace_s": grace_s, "sync_s": sync_s,
                  "staleness": staleness,
-                 "contributions": [[c.learner_id, c.incarnation, c.sequence] for c in contributions]}
+                 "contributions": [[p.learner_id, p.incarnation, p.sequence]
+                                   for c in contributions for p in c.parts()]}
         self._log_event(entry)
 
     def _log_event(self, entry: dict[str, Any]) -> None:

@@ -5,13 +5,18 @@ merge reads them as one strided block (a GEMV per tensor) instead of stacking co
 time the inbox is *sealed*: its entries and matrix move to the merge, and a fresh matrix takes
 new arrivals, so a contribution arriving during a merge can never touch the rows being merged.
 
-One slot per learner: a newer contribution from the same learner replaces the older one (it
-carries the older one's progress, since both are measured from the learner's base), and the
-replaced one is reported as superseded, never silently lost.
+One slot per learner. A newer contribution from the same learner process *for the same base*
+replaces the older one: both are measured from that base, so the newer one carries the older
+one's progress, and the replaced one is reported as superseded. When the bases differ (the
+learner applied a merge that did not include its older contribution) or the newer one comes from
+a new incarnation of the learner (a restart from the global state), the newer one does not hold
+the older one's progress: the two deltas are summed into the slot, with their tokens and steps,
+and the older one rides along in ``carried`` to be reported merged (or rejected) with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +33,18 @@ class Contribution:
     arrived_at: float
     learner_step: int = 0
     incarnation: int = 0
+    carried: tuple[Contribution, ...] = ()
+    """Older contributions of the same learner whose deltas are summed into this one's row."""
+
+    def parts(self) -> tuple[Contribution, ...]:
+        """This contribution and every one it carries, each as sent (for results and logs)."""
+        own = dataclasses.replace(self, carried=(), tokens=self.tokens - sum(k.tokens for k in self.carried),
+                                  steps=self.steps - sum(k.steps for k in self.carried))
+        return (own, *self.carried)
+
+    def supersedes(self, older: Contribution) -> bool:
+        """True when this contribution holds all of ``older``'s progress (same process, same base)."""
+        return self.incarnation == older.incarnation and self.base_version == older.base_version
 
 
 @dataclass
@@ -35,6 +52,8 @@ class SealedRound:
     entries: list[Contribution]
     deltas: torch.Tensor
     """[len(entries), N] view; row i belongs to entries[i]."""
+    carry: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Row i -> the part of row i that entries[i] carries (for putting the round back)."""
 
 
 class Inbox:
@@ -44,6 +63,8 @@ class Inbox:
         self._rows = torch.empty(self._capacity, num_values, dtype=torch.float32)
         self._slots: dict[str, int] = {}
         self._entries: list[Contribution] = []
+        self._carry: dict[int, torch.Tensor] = {}
+        """slot -> the summed deltas of the contributions its entry carries (only where it carries any)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -62,23 +83,51 @@ class Inbox:
     def oldest_arrival(self) -> float | None:
         return min((e.arrived_at for e in self._entries), default=None)
 
-    def add(self, contribution: Contribution, delta: torch.Tensor) -> Contribution | None:
-        """Store a contribution; return the one it supersedes, if any."""
+    def add(self, contribution: Contribution, delta: torch.Tensor,
+            carry: torch.Tensor | None = None) -> Contribution | None:
+        """Store a contribution; return the one it supersedes (replaces), if any.
+
+        A pending contribution of the same learner that ``contribution`` does not supersede is
+        summed with it instead (see the module docstring); nothing is returned then. ``carry`` is
+        only for putting back an entry of a sealed round that carries others: the part of
+        ``delta`` that belongs to them."""
         if delta.numel() != self.num_values:
             raise ValueError(f"delta has {delta.numel()} values, inbox holds {self.num_values}")
+        delta = delta.reshape(-1)
         slot = self._slots.get(contribution.learner_id)
-        replaced = None
         if slot is None:
             slot = len(self._entries)
             if slot >= self._capacity:
                 self._grow()
+            if contribution.carried and carry is None:
+                raise ValueError("an entry that carries contributions needs their summed deltas (carry)")
             self._entries.append(contribution)
             self._slots[contribution.learner_id] = slot
-        else:
-            replaced = self._entries[slot]
-            self._entries[slot] = contribution
-        self._rows[slot].copy_(delta.reshape(-1))
-        return replaced
+            self._rows[slot].copy_(delta)
+            if contribution.carried:
+                self._carry[slot] = carry.reshape(-1).clone()
+            return None
+        older = self._entries[slot]
+        row = self._rows[slot]
+        if contribution.supersedes(older):
+            carried = older.carried
+            self._entries[slot] = dataclasses.replace(
+                contribution, carried=carried, tokens=contribution.tokens + sum(k.tokens for k in carried),
+                steps=contribution.steps + sum(k.steps for k in carried))
+            carry = self._carry.get(slot)
+            if carry is None:
+                row.copy_(delta)
+            else:
+                torch.add(carry, delta, out=row)
+            return dataclasses.replace(older, carried=())
+        # Not contained in the newer one: keep the older progress (the row so far) and add.
+        self._carry[slot] = row.clone()
+        carried = (*older.carried, dataclasses.replace(older, carried=()))
+        self._entries[slot] = dataclasses.replace(
+            contribution, carried=carried, tokens=contribution.tokens + sum(k.tokens for k in carried),
+            steps=contribution.steps + sum(k.steps for k in carried))
+        row.add_(delta)
+        return None
 
     def _grow(self) -> None:
         new = torch.empty(self._capacity * 2, self.num_values, dtype=torch.float32)
@@ -87,9 +136,9 @@ class Inbox:
 
     def seal(self) -> SealedRound:
         """Hand every entry to a merge and start empty (with a fresh matrix of the same size)."""
-        sealed = SealedRound(self._entries, self._rows[: len(self._entries)])
+        sealed = SealedRound(self._entries, self._rows[: len(self._entries)], self._carry)
         self._rows = torch.empty(self._capacity, self.num_values, dtype=torch.float32)
-        self._slots, self._entries = {}, []
+        self._slots, self._entries, self._carry = {}, [], {}
         return sealed
 
     def drop(self, learner_id: str) -> Contribution | None:
@@ -98,11 +147,14 @@ class Inbox:
         if slot is None:
             return None
         gone = self._entries[slot]
+        self._carry.pop(slot, None)
         last = len(self._entries) - 1
         if slot != last:
             moved = self._entries[last]
             self._entries[slot] = moved
             self._rows[slot].copy_(self._rows[last])
             self._slots[moved.learner_id] = slot
+            if last in self._carry:
+                self._carry[slot] = self._carry.pop(last)
         self._entries.pop()
         return gone

@@ -121,14 +121,17 @@ class FragmentRound:
         version = frag.version
         keep: list[int] = []
         staleness: list[int] = []
+        point = engine.cfg.stale_anchor == "point"
         for i, c in enumerate(sealed.entries):
             s = version - c.base_version
             if s < 0:
-                engine.reject(c, "future_version", f"base {c.base_version} is newer than version {version}",
-                              resync=True)
-            elif s > engine.cfg.staleness_window or frag.params_at(c.base_version) is None:
-                engine.reject(c, "stale", f"base {c.base_version} is {s} versions behind {version} "
-                                          f"(window {engine.cfg.staleness_window})", resync=True)
+                for part in c.parts():
+                    engine.reject(part, "future_version", f"base {c.base_version} is newer than version {version}",
+                                  resync=True)
+            elif s > engine.cfg.staleness_window or (point and frag.params_at(c.base_version) is None):
+                for part in c.parts():
+                    engine.reject(part, "stale", f"base {c.base_version} is {s} versions behind {version} "
+                                                 f"(window {engine.cfg.staleness_window})", resync=True)
             else:
                 keep.append(i)
                 staleness.append(s)
@@ -163,7 +166,7 @@ class FragmentRound:
         for i in keep:
             c = sealed.entries[i]
             if c.learner_id not in self.inbox.contributors:
-                self.inbox.add(c, sealed.deltas[i])
+                self.inbox.add(c, sealed.deltas[i], sealed.carry.get(i))
 
     def _compute(self, sealed: SealedRound, keep: list[int], staleness: list[int], weights: list[float],
                  version: int) -> MergeOutcome:
@@ -176,10 +179,11 @@ class FragmentRound:
         else:
             deltas = sealed.deltas[torch.tensor(keep, dtype=torch.long)]
         current = frag.params
-        if any(staleness) and deltas.data_ptr() == sealed.deltas.data_ptr():
+        if (any(staleness) and engine.cfg.stale_anchor == "point"
+                and deltas.data_ptr() == sealed.deltas.data_ptr()):
             deltas = deltas.clone()  # keep the sealed rows intact in case the round is requeued
         for row, s in enumerate(staleness):
-            if s > 0:
+            if s > 0 and engine.cfg.stale_anchor == "point":
                 base = frag.params_at(sealed.entries[keep[row]].base_version)
                 assert base is not None
                 deltas[row].add_(current).sub_(base)
@@ -189,6 +193,8 @@ class FragmentRound:
         engine.outer.step(params, momentum, merged)
         merge_s = time.perf_counter() - t0
         transfer = engine.encode_global(frag.spec, params, version + 1)
+        # What a restarted synchronizer must never merge twice: per learner, its newest merged
+        # contribution (the ones it carries are older, so they count as merged by it).
         contributors = {sealed.entries[i].learner_id: [sealed.entries[i].incarnation, sealed.entries[i].sequence]
                         for i in keep}
         t1 = time.perf_counter()
