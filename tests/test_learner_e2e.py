@@ -24,7 +24,7 @@ protocol: {num_fragments: 4, sync_every: 8, overlap: 2}
 model: {d_model: 32, n_layer: 2, n_head: 2, context: 32}
 data: {batch_size: 8, context: 32, max_bytes: 1000000}
 train: {eval_every: 20, eval_batches: 2, lr: 0.003, warmup_steps: 5}
-run: {final_eval_batches: 4}
+run: {final_eval_batches: 4, global_eval_every_s: 1.0}
 synchronizer: {policy: {quorum: 1, grace_gamma: 0.5, max_grace_s: 1.0}, heartbeat_interval_s: 0.5}
 """
 
@@ -69,6 +69,13 @@ def test_decoupled_run_with_two_learners(tmp_path):
     assert s["contributions"]["totals"]["unaccounted"] == 0
     for name in ("loss_vs_tokens.png", "merges_over_time.png", "goodput.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the global model, evaluated every second outside the learners while they trained
+    curve = [json.loads(line) for line in (out / "global_eval.jsonl").read_text().splitlines()]
+    assert len(curve) >= 2 and s["global_eval"] == [[e["tokens"], e["loss"]] for e in curve]
+    tokens = [e["tokens"] for e in curve]
+    assert tokens == sorted(tokens) and tokens[-1] > tokens[0]
+    assert all(math.isfinite(e["loss"]) and e["loss"] < 6.0 for e in curve)
+    assert curve[-1]["min_version"] > 0
 
 
 def test_baseline_run_dir_is_reported_beside_the_run_and_mismatches_are_refused(tmp_path):
@@ -89,6 +96,11 @@ def test_baseline_run_dir_is_reported_beside_the_run_and_mismatches_are_refused(
     proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--baseline", str(tmp_path / "nowhere")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cannot read" in proc.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: {global_eval_every_s: -1}\n")
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--config", str(bad), "--out",
+                           str(tmp_path / "bad")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "global_eval_every_s" in proc.stderr and not (tmp_path / "bad").exists()
 
 
 def test_dp_reference_sees_the_same_tokens(tmp_path):

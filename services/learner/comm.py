@@ -108,7 +108,8 @@ class Comm:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._lock = threading.Condition()
-        self._outbound: dict[int, Outgoing] = {}
+        self._outbound: dict[int, list[Outgoing]] = {}
+        """fragment -> contributions waiting to be sent, oldest first, one per base version."""
         self._unacked: dict[int, Outgoing] = {}
         self._arrivals: dict[int, Arrival] = {}
         self._stop = threading.Event()
@@ -124,10 +125,14 @@ class Comm:
         self._thread.start()
 
     def submit(self, out: Outgoing) -> None:
-        """Queue a contribution; an unsent older one for the same fragment is dropped (and logged)."""
+        """Queue a contribution. An unsent older one of the same fragment *from the same base* is
+        dropped (logged): the newer one carries its progress. One from an older base stays queued
+        (a merge without it was applied since, so the newer one does not hold its progress); the
+        synchronizer sums the two."""
         with self._lock:
-            old = self._outbound.get(out.fragment)
-            self._outbound[out.fragment] = out
+            queue = self._outbound.setdefault(out.fragment, [])
+            old = queue.pop() if queue and queue[-1].base_version == out.base_version else None
+            queue.append(out)
         if old is not None:
             self.events.emit("dropped", sequence=old.sequence, fragment=old.fragment,
                              reason="replaced by a newer contribution before it could be sent")
@@ -158,7 +163,7 @@ class Comm:
 
     def pending(self) -> int:
         with self._lock:
-            return len(self._outbound) + len(self._unacked)
+            return sum(len(q) for q in self._outbound.values()) + len(self._unacked)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every submitted contribution has been answered (or timeout)."""
@@ -173,9 +178,10 @@ class Comm:
         self._goodbye = goodbye
         self._stop.set()
         self._poke()
-        self._thread.join(timeout=15)
+        if self._thread.ident is not None:  # else it never started (the learner failed first)
+            self._thread.join(timeout=15)
         with self._lock:
-            leftovers = list(self._outbound.values()) + list(self._unacked.values())
+            leftovers = [o for q in self._outbound.values() for o in q] + list(self._unacked.values())
             self._outbound.clear()
             self._unacked.clear()
         for out in leftovers:
@@ -330,17 +336,19 @@ class Comm:
 
     def _requeue_unacked(self) -> None:
         with self._lock:
-            for seq, out in sorted(self._unacked.items()):
-                newer = self._outbound.get(out.fragment)
-                if newer is None:
-                    self._outbound[out.fragment] = out
-                elif newer.base_version == out.base_version:
+            # newest first, so an older one finds the newer one from its base that carries it
+            for seq, out in sorted(self._unacked.items(), reverse=True):
+                queue = self._outbound.get(out.fragment, [])
+                if any(o.sequence > seq and o.base_version == out.base_version for o in queue):
                     self.events.emit("dropped", sequence=seq, fragment=out.fragment,
                                      reason="unanswered at a reconnect; a newer contribution from the same "
                                             "base carries its progress")
-                else:
-                    self.events.emit("dropped", sequence=seq, fragment=out.fragment,
-                                     reason="unanswered at a reconnect and replaced by a newer contribution")
+                    continue
+                # Nothing queued holds its progress: send it again, in sequence order (the synchronizer
+                # answers a duplicate of a merged contribution without merging it twice).
+                queue.append(out)
+                queue.sort(key=lambda o: o.sequence)
+                self._outbound[out.fragment] = queue
             self._unacked.clear()
 
     async def _sender(self, stream: SyncStream) -> None:
@@ -350,7 +358,10 @@ class Comm:
                 out = None
                 if self._outbound:
                     p = next(iter(self._outbound))
-                    out = self._outbound.pop(p)
+                    queue = self._outbound[p]
+                    out = queue.pop(0)
+                    if not queue:
+                        del self._outbound[p]
                     self._unacked[out.sequence] = out
             if out is None:
                 self._wake.clear()

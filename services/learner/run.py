@@ -32,11 +32,12 @@ from ddiloco.learner.chaos import FaultPlan
 MODES = ("decoupled", "streaming", "diloco", "dp")
 
 DEFAULTS: dict[str, Any] = {
-    "run": {"learners": 3, "steps": 600, "mode": "decoupled", "seed": 0, "final_eval_batches": 32},
+    "run": {"learners": 3, "steps": 600, "mode": "decoupled", "seed": 0, "final_eval_batches": 32,
+            "global_eval_every_s": 20.0},
     "protocol": {"num_fragments": 24, "sync_every": 24, "overlap": 2},
     "model": {},
     "data": {"batch_size": 16, "context": 128},
-    "train": {"eval_every": 100, "eval_batches": 8},
+    "train": {"eval_every": 0, "eval_batches": 8},
     "learner": {},
     "synchronizer": {"policy": {"quorum": 1, "grace_gamma": 0.8, "max_grace_s": 5.0}},
 }
@@ -64,6 +65,9 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--mode must be one of {MODES}, got {run['mode']!r}")
     if int(run["learners"]) < 1 or int(run["steps"]) < 1:
         raise ValueError("--learners and --steps must be >= 1")
+    every = run.get("global_eval_every_s", 0)
+    if not isinstance(every, int | float) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"run.global_eval_every_s must be a number >= 0 (0: off), got {every!r}")
     doc["train"]["steps"] = int(run["steps"])
     doc["train"]["seed"] = int(run["seed"])
     doc["data"]["seed"] = int(run["seed"])
@@ -108,37 +112,105 @@ class Tail:
         return out
 
 
+class GlobalModelEval:
+    """Evaluates the synchronizer's current global model on the held-out split.
+
+    The model, layout and eval batches are built once; each call fetches the state over gRPC
+    (FetchState, as a joining learner does) and runs the forward passes on the CPU.
+    """
+
+    def __init__(self, target: str, doc_path: pathlib.Path, eval_batches: int) -> None:
+        from ddiloco.fragments.partition import partition_tensors
+        from ddiloco.learner.config import load_learner_config
+        from ddiloco.learner.data import eval_batches as make_eval_batches
+        from ddiloco.learner.data import load_corpus
+        from ddiloco.learner.model import build_model
+
+        self.target = target
+        self.cfg = cfg = load_learner_config(str(doc_path), synchronizer=target, learner_id="evaluator")
+        self.model = build_model(cfg.model, cfg.train.seed)
+        self.params = dict(self.model.named_parameters())
+        self.layout = partition_tensors(list(self.params.items()), cfg.protocol.num_fragments)
+        corpus = load_corpus(cfg.data)
+        self.batches = make_eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, eval_batches)
+
+    def __call__(self, timeout_s: float = 60.0) -> tuple[float, dict[int, int]]:
+        """(eval loss, fragment -> version evaluated)."""
+        import torch
+
+        from ddiloco.fragments.outer_gradient import scatter
+        from ddiloco.fragments.payload import decode_fragment
+        from ddiloco.learner.inner_loop import evaluate
+        from ddiloco.learner.stream import SyncStream, open_channel
+
+        limit = self.cfg.protocol.max_chunk_bytes
+
+        async def fetch() -> list[Any]:
+            channel = open_channel(self.target, max_message_bytes=limit + (1 << 20))
+            try:
+                return await asyncio.wait_for(SyncStream(channel, max_chunk_bytes=limit).fetch_state("evaluator"),
+                                              timeout_s)
+            finally:
+                await channel.close()
+
+        versions = {}
+        for transfer in asyncio.run(fetch()):
+            scatter(self.layout[transfer.header.fragment_id], decode_fragment(transfer, self.layout), self.params)
+            versions[transfer.header.fragment_id] = transfer.header.version
+        return evaluate(self.model, self.batches, torch.device("cpu")), versions
+
+
 def evaluate_global(target: str, doc_path: pathlib.Path, eval_batches: int) -> float:
     """Fetch the global model over gRPC and evaluate it on the held-out split."""
-    import torch
+    return GlobalModelEval(target, doc_path, eval_batches)()[0]
 
-    from ddiloco.fragments.outer_gradient import scatter
-    from ddiloco.fragments.partition import partition_tensors
-    from ddiloco.fragments.payload import decode_fragment
-    from ddiloco.learner.config import load_learner_config
-    from ddiloco.learner.data import eval_batches as make_eval_batches
-    from ddiloco.learner.data import load_corpus
-    from ddiloco.learner.inner_loop import evaluate
-    from ddiloco.learner.model import build_model
-    from ddiloco.learner.stream import SyncStream, open_channel
 
-    cfg = load_learner_config(str(doc_path), synchronizer=target, learner_id="evaluator")
-    model = build_model(cfg.model, cfg.train.seed)
-    params = dict(model.named_parameters())
-    layout = partition_tensors(list(params.items()), cfg.protocol.num_fragments)
+class PeriodicGlobalEval:
+    """Evaluates the global model every ``every_s`` seconds on its own thread while a run trains,
+    appending ``{"t", "tokens", "loss", "versions"}`` lines to ``global_eval.jsonl``: the loss
+    curve of the model the fleet builds, measured outside the learners (as an evaluation job
+    beside a deployment would), so no learner spends training time on it. A fetch that fails
+    (the synchronizer restarting under chaos) is skipped and counted."""
 
-    async def fetch() -> list[Any]:
-        channel = open_channel(target, max_message_bytes=cfg.protocol.max_chunk_bytes + (1 << 20))
-        try:
-            return await SyncStream(channel, max_chunk_bytes=cfg.protocol.max_chunk_bytes).fetch_state("evaluator")
-        finally:
-            await channel.close()
+    def __init__(self, target: str, doc_path: pathlib.Path, out: pathlib.Path, every_s: float,
+                 eval_batches: int, tokens: Any) -> None:
+        import threading
 
-    for transfer in asyncio.run(fetch()):
-        scatter(layout[transfer.header.fragment_id], decode_fragment(transfer, layout), params)
-    corpus = load_corpus(cfg.data)
-    batches = make_eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, eval_batches)
-    return evaluate(model, batches, torch.device("cpu"))
+        self.target, self.doc_path, self.every_s, self.eval_batches = target, doc_path, every_s, eval_batches
+        self.path = out / "global_eval.jsonl"
+        self.tokens = tokens
+        self.failures = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="global-eval", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=120)
+
+    def _loop(self) -> None:
+        evaluator = None
+        while not self.stopping.wait(self.every_s):
+            try:
+                evaluator = evaluator or GlobalModelEval(self.target, self.doc_path, self.eval_batches)
+                tokens = int(self.tokens())
+                loss, versions = evaluator(timeout_s=max(5.0, self.every_s))
+            except Exception:  # the synchronizer may be down (chaos) or not ready yet
+                self.failures += 1
+                continue
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"t": time.time(), "tokens": tokens, "loss": loss,
+                                    "min_version": min(versions.values(), default=0)}) + "\n")
+
+
+def global_eval_curve(out: pathlib.Path) -> list[tuple[float, float]]:
+    """(tokens, loss) points of ``global_eval.jsonl`` (empty when the run wrote none)."""
+    path = out / "global_eval.jsonl"
+    if not path.exists():
+        return []
+    return [(float(e["tokens"]), float(e["loss"])) for e in Tail(path).read()]
 
 
 def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
@@ -151,6 +223,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
     n, steps = int(run["learners"]), int(run["steps"])
     cfg_path = out / "config.yaml"
     cluster = LocalCluster(out, cfg_path, learners=n, steps=steps, plan=plan)
+    periodic: PeriodicGlobalEval | None = None
     started = time.time()
     try:
         cluster.start_synchronizer()
@@ -165,6 +238,13 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         done: dict[tuple[str, int], int] = {}
         last_loss: dict[str, float] = {}
         merges = 0
+        batch_tokens = int(doc["data"]["batch_size"]) * int(doc["data"]["context"])
+        trained = [0]  # tokens so far, for the evaluator thread
+        every_s = float(run.get("global_eval_every_s", 0) or 0)
+        if every_s > 0:
+            periodic = PeriodicGlobalEval(cluster.target, cfg_path, out, every_s, int(doc["train"]["eval_batches"]),
+                                          lambda: trained[0])
+            periodic.start()
         while True:
             for lid in cluster.learners():
                 tail = tails.setdefault(lid, Tail(out / "learners" / f"{lid}.jsonl"))
@@ -178,7 +258,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
             alive = cluster.alive_learners()
             bar.n = min(bar.total, sum(done.values()))
             loss = sum(last_loss.values()) / len(last_loss) if last_loss else float("nan")
-            tokens = sum(done.values()) * int(doc["data"]["batch_size"]) * int(doc["data"]["context"])
+            tokens = trained[0] = sum(done.values()) * batch_tokens
             bar.set_postfix(tokens=f"{tokens / 1e6:.2f}M", loss=f"{loss:.3f}", merges=merges, live=len(alive),
                             refresh=False)
             bar.refresh()
@@ -192,6 +272,8 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
                 raise RuntimeError(f"synchronizer exited with code {sync.returncode} during the run")
             time.sleep(0.5)
         bar.close()
+        if periodic is not None:
+            periodic.stop()
         if cluster.driver is not None:
             cluster.driver.stop()
         failed = {lid: cluster.procs[lid].returncode for lid in cluster.learners()
@@ -200,6 +282,8 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         status = _status(cluster.target)
         faults = cluster.driver.injected if cluster.driver is not None else []
     finally:
+        if periodic is not None:
+            periodic.stop()
         cluster.stop_all()
     wall = time.time() - started
     return {"final_eval_loss": final, "wall_s": wall, "failed_learners": failed, "status": status,
@@ -237,6 +321,7 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         "merges": sum(1 for e in merge_log if e.get("event") == "merge"),
         "final_eval_loss": result["final_eval_loss"],
         "unigram_baseline_loss": unigram_entropy(load_corpus(data_cfg).eval),
+        "global_eval": [[t, loss] for t, loss in global_eval_curve(out)],
         "learner_goodput": fleet.get("learner_goodput"),
         "global_downtime_s": fleet.get("global_downtime_s"),
         "max_merge_gap_s": fleet.get("max_merge_gap_s"),
@@ -359,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ddiloco.learner.plots import plot_run
 
-        plot_run(out, out, global_eval=[(summary["tokens"], summary["final_eval_loss"])])
+        plot_run(out, out, global_eval=[*global_eval_curve(out), (summary["tokens"], summary["final_eval_loss"])])
     except Exception as exc:  # plots are a convenience; the summary is the contract
         print(f"ddiloco run: plotting failed: {exc}", file=sys.stderr)
     print(json.dumps({k: summary[k] for k in ("mode", "learners", "steps", "tokens", "merges", "final_eval_loss",

@@ -172,12 +172,12 @@ class Learner:
         for frag in self.layout:
             if self.sent.get(frag.index) is None or self.sent[frag.index].step != step:
                 self._send(frag.index, step)
-        final = self._eval(step)
         wall = time.time() - started
-        # Training ends here. Waiting below for the last contributions' results is shutdown
-        # bookkeeping of a finite run (a deployed learner never stops), so it is logged apart.
-        self.events.emit("end", step=step, tokens=self.tokens, eval_loss=final, wall_s=wall,
-                         blocked_s=self.blocked_s)
+        # Training ends here. The local model's final evaluation and waiting below for the last
+        # contributions' results are the bookkeeping of a finite run (a deployed learner never
+        # stops), so they are logged after the end.
+        self.events.emit("end", step=step, tokens=self.tokens, wall_s=wall, blocked_s=self.blocked_s)
+        final = self._eval(step)
         answered = self.comm.flush(timeout_s=30.0)
         self.comm.stop("finished" if not self.comm.draining.is_set() else "drained")
         self.events.emit("flushed", all_answered=answered, pending_s=time.time() - started - wall)
