@@ -8,6 +8,7 @@ contribution (checked against hand-computed Nesterov/RDA numbers), and supersess
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -109,10 +110,12 @@ async def test_quorum_k_of_m_waits_for_k_then_grace(tmp_path):
             await lr.close()
 
 
-async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_reanchored(tmp_path):
+@pytest.mark.parametrize("anchor,scaled", [("point", False), ("delta", True)])
+async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anchored(tmp_path, anchor, scaled):
     # grace = clamp(0.9 * (tau=1 * step 1.5 s - 0 - sync), 0, 5) ~ 1.35 s
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.9, max_grace_s=5.0),
-                      stale_round_s=0.2, outer_lr=0.7, outer_momentum=0.9)
+                      stale_round_s=0.2, outer_lr=0.7, outer_momentum=0.9, stale_anchor=anchor,
+                      scale_by_participation=scaled, merge_log=str(tmp_path / "merges.jsonl"))
     async with running_server(cfg) as server:
         a, b, c = await _ready(server, "a", "b", "c", step_time_s=1.5)
         theta0 = server.engine.fragments[0].params.clone()
@@ -124,25 +127,33 @@ async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_rea
         rb = await b.wait_result(sb)
         assert ra.version == rb.version == 1 and server.engine.fragments[0].last_quorum_size == 2
         theta1 = server.engine.fragments[0].params.clone()
-        # c was computed against version 0 and arrives after the merge: staleness 1, re-anchored.
+        # c was computed against version 0 and arrives after the merge: staleness 1. (a and b
+        # heartbeat first so that all three are still live: c's merge is 1 of 3 learners.)
+        await a.heartbeat(step_time_s=1.5)
+        await b.heartbeat(step_time_s=1.5)
         sc = await c.contribute(0, dc, base_version=0)
         rc = await c.wait_result(sc)
         assert rc.outcome == "merged" and rc.version == 2 and rc.staleness == 1
-        # Hand-computed: merge of A,B (RDA per tensor, equal weights), Nesterov, then C re-anchored.
+        # Hand-computed: merge of A,B (RDA per tensor, equal weights; 2 of 3 live learners, so a
+        # 2/3 step when scaled by participation), Nesterov, then C alone (1/3): re-anchored to its
+        # model ("point") or its Delta as is ("delta").
         from ddiloco.synchronizer.merge import embedding_mask, merge_deltas
 
         spec = server.engine.fragments[0].spec
         segs = [(s, e) for _, s, e in spec.segments()]
         emb = embedding_mask(spec, cfg.embedding_patterns)
-        d1 = merge_deltas(torch.stack([da, db]), [0.5, 0.5], segs, emb, "rda")
+        d1 = merge_deltas(torch.stack([da, db]), [0.5, 0.5], segs, emb, "rda") * (2 / 3 if scaled else 1.0)
         buf = d1.clone()
         expect1 = theta0 - 0.7 * (d1 + 0.9 * buf)
         torch.testing.assert_close(theta1, expect1, rtol=1e-5, atol=1e-7)
-        anchored = dc + (theta1 - theta0)
-        d2 = merge_deltas(anchored[None], [1.0], segs, emb, "rda")
+        anchored = dc + (theta1 - theta0) if anchor == "point" else dc
+        d2 = merge_deltas(anchored[None], [1.0], segs, emb, "rda") * (1 / 3 if scaled else 1.0)
         buf = 0.9 * buf + d2
         expect2 = theta1 - 0.7 * (d2 + 0.9 * buf)
         torch.testing.assert_close(server.engine.fragments[0].params, expect2, rtol=1e-5, atol=1e-7)
+        merges = [json.loads(line) for line in (tmp_path / "merges.jsonl").read_text().splitlines()]
+        assert [m["scale"] for m in merges if m["event"] == "merge"] == (
+            [pytest.approx(2 / 3), pytest.approx(1 / 3)] if scaled else [1.0, 1.0])
         for lr in (a, b, c):
             await lr.close()
 
@@ -196,7 +207,8 @@ async def test_contribution_on_a_newer_base_is_summed_with_the_missed_one_and_bo
         segs = [(s, e) for _, s, e in spec.segments()]
         emb = embedding_mask(spec, cfg.embedding_patterns)
         d2 = merge_deltas(torch.stack([da0 + da1, db]), [2 / 3, 1 / 3], segs, emb, "rda")
-        torch.testing.assert_close(server.engine.fragments[0].params, theta1 - 0.7 * d2, rtol=1e-5, atol=1e-7)
+        # a and b: 2 of the 3 live learners, a 2/3 step
+        torch.testing.assert_close(server.engine.fragments[0].params, theta1 - 0.7 * (2 / 3) * d2, rtol=1e-5, atol=1e-7)
         assert not torch.equal(theta0, theta1)
         for lr in (a, b, c):
             await lr.close()

@@ -37,12 +37,19 @@ class SynchronizerConfig:
     staleness_window: int = 4
     """Versions behind the current one a contribution may be and still be re-anchored."""
     stale_anchor: str = "point"
-    """How a contribution computed against an older version joins a merge. "point" (default): it
-    is re-anchored to the learner's model, Delta + Theta_now - Theta_base (needs the base version
-    retained); the pull back toward the learner's model damps the outer momentum when merges are
-    small and frequent. "delta": its Delta is applied at the current version as is (a delayed outer
-    gradient, as in asynchronous Local-SGD); with quorum 1 and Nesterov momentum this diverged in
-    the chaos tests (eval loss 4.4 against 3.x)."""
+    """How a contribution computed against an older version joins a merge. "delta" (default): its
+    Delta is applied at the current version as is, a delayed outer gradient as in asynchronous
+    Local-SGD. "point": it is re-anchored to the learner's model, Delta + Theta_now - Theta_base
+    (needs the base version retained); that also pulls the global back by the outer steps merged
+    since the base, which Nesterov momentum makes several times the learners' own progress. In
+    default runs half the contributions are one version stale (learners sharing two cores run at
+    different speeds), and "point" cost measurably: see docs/design-notes.md."""
+    scale_by_participation: bool = False
+    """Scale a merge's outer gradient by min(1, contributing learners / live learners). A merge of
+    the whole fleet is a full outer step; a merge that only some learners made (a small quorum,
+    stragglers) is that share of one, so a fleet whose contributions trickle in as many small
+    merges takes about one full step per period instead of one per merge (which, with Nesterov
+    momentum, diverges). Synchronous modes always merge everyone: scale 1."""
     stale_round_s: float = 30.0
     """Stale contributions alone open a round after waiting this long (normally they join the
     next round that a fresh contribution opens)."""

@@ -237,7 +237,7 @@ class Engine:
 
     def record_merge(self, fragment: int, version: int, quorum: int, grace_s: float, merge_s: float,
                      commit_s: float, sync_s: float, quorum_time_s: float, staleness: list[int],
-                     contributions: list[Contribution]) -> None:
+                     contributions: list[Contribution], scale: float = 1.0) -> None:
         self.merges_total += 1
         self._sync_time.update(sync_s)
         self._quorum_time.update(quorum_time_s)
@@ -249,7 +249,7 @@ class Engine:
         m.commit_seconds.observe(commit_s)
         entry = {"event": "merge", "t": self.wall(), "fragment": fragment, "version": version, "quorum": quorum,
                  "learners": [c.learner_id for c in contributions], "grace_s": grace_s, "sync_s": sync_s,
-                 "staleness": staleness,
+                 "staleness": staleness, "scale": scale,
                  "contributions": [[p.learner_id, p.incarnation, p.sequence]
                                    for c in contributions for p in c.parts()]}
         self._log_event(entry)

@@ -139,10 +139,14 @@ class FragmentRound:
             return
         entries = [sealed.entries[i] for i in keep]
         weights = token_weights([c.tokens for c in entries], [c.steps for c in entries])
+        scale = 1.0
+        if engine.cfg.scale_by_participation:
+            live = engine.membership.live(engine.clock())
+            scale = min(1.0, len(entries) / max(1, len(live)))
         self.merging = True
         started = time.perf_counter()
         try:
-            outcome = await engine.run_blocking(self._compute, sealed, keep, staleness, weights, version)
+            outcome = await engine.run_blocking(self._compute, sealed, keep, staleness, weights, version, scale)
         except Exception:
             self._requeue(sealed, keep)
             raise
@@ -157,8 +161,8 @@ class FragmentRound:
         sync_s = time.perf_counter() - started
         engine.record_merge(self.index, version + 1, len(entries), grace_s, outcome.merge_s, outcome.commit_s,
                             sync_s, (quorum_at - opened_at) if quorum_at and opened_at else 0.0, staleness,
-                            entries)
-        self.log.info("merged", version=version + 1, quorum=len(entries), reason=reason,
+                            entries, scale=scale)
+        self.log.info("merged", version=version + 1, quorum=len(entries), reason=reason, scale=round(scale, 3),
                       grace_s=round(grace_s, 4), sync_s=round(sync_s, 4),
                       learners=[c.learner_id for c in entries], staleness=staleness)
 
@@ -169,7 +173,7 @@ class FragmentRound:
                 self.inbox.add(c, sealed.deltas[i], sealed.carry.get(i))
 
     def _compute(self, sealed: SealedRound, keep: list[int], staleness: list[int], weights: list[float],
-                 version: int) -> MergeOutcome:
+                 version: int, scale: float = 1.0) -> MergeOutcome:
         """Thread-pool side: re-anchor, merge, outer step, encode, commit."""
         engine = self.engine
         frag = self.fragment
@@ -188,6 +192,8 @@ class FragmentRound:
                 assert base is not None
                 deltas[row].add_(current).sub_(base)
         merged = merge_deltas(deltas, weights, self._segments, self._embedding, engine.cfg.merge_method)
+        if scale != 1.0:
+            merged = merged * scale
         params = current.clone()
         momentum = frag.momentum.clone()
         engine.outer.step(params, momentum, merged)
