@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = [
     "ddiloco.cli", "ddiloco.v1.synchronizer_pb2_grpc", "ddiloco.fragments.wire", "ddiloco.fragments.codec",
     "ddiloco.synchronizer.server", "ddiloco.synchronizer.main", "ddiloco.learner.service", "ddiloco.learner.run",
-    "ddiloco.simulator.cli", "ddiloco.benchmarks.codec", "ddiloco.benchmarks.merge",
+    "ddiloco.simulator.cli", "ddiloco.benchmarks.codec", "ddiloco.benchmarks.merge", "ddiloco.benchmarks.quality",
 ]
 
 

@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "codec": "ddiloco.benchmarks.codec",
     "merge": "ddiloco.benchmarks.merge",
+    "quality": "ddiloco.benchmarks.quality",
 }
 
 
