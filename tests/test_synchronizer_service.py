@@ -335,3 +335,57 @@ async def test_prometheus_metrics_and_health_are_served(tmp_path):
                 health_pb2.HealthCheckRequest(service="ddiloco.v1.Synchronizer"), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         await a.close()
+
+
+async def test_after_a_restart_merges_wait_for_the_last_merges_learners_to_rejoin(tmp_path):
+    first = sync_config(tmp_path, policy=QuorumPolicy(quorum=2, grace_gamma=0.0, max_grace_s=0.0))
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0),
+                      rejoin_window_s=2.5)
+    async with running_server(first) as server:
+        a, b = await _ready(server, "a", "b")
+        sa, sb = await a.contribute(0, _delta(1, a, 0), base_version=0), await b.contribute(0, _delta(2, b, 0),
+                                                                                           base_version=0)
+        assert (await a.wait_result(sa)).version == (await b.wait_result(sb)).version == 1
+        for lr in (a, b):
+            await lr.close()
+    version = None
+    # Restarted on the same state: a comes back first. Its contribution waits for b (in the last
+    # merge) instead of being merged alone; when b's arrives, both merge at once.
+    async with running_server(cfg) as server:
+        assert server.engine.rejoin_expected == {"a", "b"}
+        version = server.engine.fragments[0].version
+        a = ScriptedLearner(server.port, "a")
+        await a.connect()
+        a.start_pump()
+        await a.heartbeat()
+        sa = await a.contribute(0, _delta(3, a, 0), base_version=version)
+        await asyncio.sleep(1.0)
+        assert a.result_for(sa) is None and server.engine.fragments[0].version == version
+        b = ScriptedLearner(server.port, "b")
+        await b.connect()
+        b.start_pump()
+        await b.heartbeat()
+        sb = await b.contribute(0, _delta(4, b, 0), base_version=version)
+        ra, rb = await a.wait_result(sa, timeout_s=5), await b.wait_result(sb, timeout_s=5)
+        assert ra.version == rb.version == version + 1 and server.engine.fragments[0].last_quorum_size == 2
+        for lr in (a, b):
+            await lr.close()
+    # Restarted again, and b never comes back: a is merged alone once the window has passed.
+    async with running_server(cfg) as server:
+        version = server.engine.fragments[0].version
+        a = ScriptedLearner(server.port, "a")
+        await a.connect()
+        a.start_pump()
+        await a.heartbeat()
+        t0 = asyncio.get_running_loop().time()
+        sa = await a.contribute(0, _delta(5, a, 0), base_version=version)
+        ra = await a.wait_result(sa, timeout_s=10)
+        waited = asyncio.get_running_loop().time() - t0
+        assert ra.outcome == "merged" and ra.version == version + 1
+        assert 1.0 < waited < 6.0, waited
+        await a.close()
+
+
+def test_rejoin_window_must_not_be_negative(tmp_path):
+    with pytest.raises(ValueError, match="rejoin_window_s"):
+        sync_config(tmp_path, rejoin_window_s=-1)

@@ -16,8 +16,9 @@ import structlog
 _CONFIGURED = False
 
 
-def configure(level: str | None = None, json: bool | None = None) -> None:
-    """Configure structlog once per process. ``DDILOCO_LOG_LEVEL`` / ``DDILOCO_LOG_JSON`` override."""
+def configure(level: str | None = None, json: bool | None = None, file: Any = None) -> None:
+    """Configure structlog for this process (stderr, or ``file``). ``DDILOCO_LOG_LEVEL`` /
+    ``DDILOCO_LOG_JSON`` override."""
     global _CONFIGURED
     level = (level or os.environ.get("DDILOCO_LOG_LEVEL", "info")).upper()
     if json is None:
@@ -33,7 +34,7 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=file or sys.stderr),
         cache_logger_on_first_use=False,
     )
     _CONFIGURED = True

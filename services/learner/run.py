@@ -421,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddiloco run: invalid configuration: {exc}", file=sys.stderr)
         return 2
     show = not args.no_progress and sys.stderr.isatty()
+    # This process's own log lines (fault proxies, chaos driver) go to the run folder, not over the
+    # progress bar; every service process writes its own file under logs/ as well.
+    (out / "logs").mkdir(exist_ok=True)
+    run_log = open(out / "logs" / "run.log", "a", buffering=1)  # noqa: SIM115 (open for the whole run)
+    configure(json=True, file=run_log)
     from ddiloco.learner.dp import run_dp
 
     if mode == "dp":

@@ -94,6 +94,10 @@ class Engine:
         self.closing = False
         self.started_at = clock()
         self.merges_total = 0
+        self.rejoin_expected: set[str] = set()
+        """Learners in the last committed merges when this process loaded its state (a restart)."""
+        self.rejoin_until: float | None = None
+        """Merges wait for them until then (``rejoin_window_s`` after loading), see ``rejoin_hold``."""
         self.rejected_by_reason: collections.Counter[str] = collections.Counter()
         self.tokens_merged = 0
         self.tokens_rejected = 0
@@ -135,12 +139,27 @@ class Engine:
                 frag.note_merged(rec.version, rec.contributors or {})
             self.fragments[p] = frag
             self.merges_total += latest.merges
+            self.rejoin_expected.update((latest.contributors or {}).keys())
             self.metrics.version.labels(str(p)).set(latest.version)
         self.layout, self.layout_hash = layout, meta["layout_hash"]
         self.model_fingerprint = meta["model_fingerprint"]
+        if self.rejoin_expected and self.cfg.rejoin_window_s > 0:
+            self.rejoin_until = self.clock() + self.cfg.rejoin_window_s
         self.log.info("state loaded", state_dir=str(self.store.root),
-                      versions={p: f.version for p, f in self.fragments.items()})
+                      versions={p: f.version for p, f in self.fragments.items()},
+                      rejoin_expected=sorted(self.rejoin_expected), rejoin_window_s=self.cfg.rejoin_window_s)
         return True
+
+    def rejoin_hold(self, now: float, fresh: frozenset[str]) -> float | None:
+        """After a restart: until when a fragment's merge waits for the learners of the last
+        committed merges to come back (None: no hold). It ends early for a fragment once every one
+        of them has contributed fresh, and for good once the window has passed."""
+        if self.rejoin_until is None:
+            return None
+        if now >= self.rejoin_until:
+            self.rejoin_until = None
+            return None
+        return None if self.rejoin_expected <= fresh else self.rejoin_until
 
     def start(self) -> None:
         for frag in self.fragments.values():

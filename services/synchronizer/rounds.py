@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -96,6 +97,11 @@ class FragmentRound:
             now = engine.clock()
             view = self.view(now, engine.membership.live(now))
             decision = decide(now, view, engine.timings(), engine.cfg.protocol.overlap, engine.cfg.policy)
+            hold = engine.rejoin_hold(now, view.fresh or frozenset()) if decision.merge else None
+            if hold is not None:
+                # Just restarted: the fleet is reconnecting. Merging the first learner back alone
+                # would make its contribution a whole outer step and the others' stale.
+                decision = dataclasses.replace(decision, merge=False, wake_at=hold)
             if decision.merge:
                 try:
                     await self._merge(decision.reason, decision.grace_s, now)
