@@ -306,8 +306,9 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
     merge_log = load_jsonl(out / "merges.jsonl") if (out / "merges.jsonl").exists() else []
     fleet = fleet_summary(logs, merge_log)
-    tokens = sum(max((e.get("tokens", 0) for e in log if e["event"] == "step"), default=0) for log in logs.values())
-    steps = sum(max((e.get("step", 0) for e in log if e["event"] == "step"), default=0) for log in logs.values())
+    # over every incarnation: a restarted learner counts its steps from 1 again
+    tokens = int(fleet.get("tokens") or 0)
+    steps = int(fleet.get("steps") or 0)
     from ddiloco.learner.config import load_learner_config
 
     data_cfg = load_learner_config(str(out / "config.yaml"), learner_id="x").data
