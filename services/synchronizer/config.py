@@ -35,7 +35,7 @@ class SynchronizerConfig:
     outer_momentum: float = 0.8
     """Outer Nesterov momentum (0 gives plain SGD). DiLoCo uses 0.9 with H = 500; with the short
     periods here (H = 24) 0.9 overshoots: ``ddiloco bench quality`` (synchronous, 3 learners, 600
-    steps) measured 1.830 at 0.8 against 1.949 at 0.9 (dp 1.655)."""
+    steps) measured 1.830 at 0.8 against 1.910 at 0.9 (dp 1.655)."""
     staleness_window: int = 4
     """Versions behind the current one a contribution may be and still be re-anchored."""
     stale_anchor: str = "point"
@@ -43,8 +43,8 @@ class SynchronizerConfig:
     is re-anchored to the learner's model, Delta + Theta_now - Theta_base (needs the base version
     retained), so it pulls the global toward where that learner actually is. "delta": its Delta is
     applied at the current version as is (a delayed outer gradient, as in asynchronous
-    Local-SGD). Measured with ``ddiloco bench quality`` (3 learners, one always a round late):
-    point 1.901, delta 2.099, nobody late 1.949; delta with small merges and Nesterov momentum
+    Local-SGD). Measured in the single-process reference (3 learners, one always a round late, momentum
+    0.9, mean merge): point 1.901, delta 2.099, nobody late 1.949; delta with small merges and Nesterov momentum
     also diverged in the chaos tests. See docs/design-notes.md."""
     scale_by_participation: bool = False
     """Scale a merge's outer gradient by min(1, contributing learners / live learners): a merge that
