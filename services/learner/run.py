@@ -176,10 +176,10 @@ def evaluate_global(target: str, doc_path: pathlib.Path, eval_batches: int) -> f
 
 class PeriodicGlobalEval:
     """Evaluates the global model every ``every_s`` seconds on its own thread while a run trains,
-    appending ``{"t", "tokens", "loss", "versions"}`` lines to ``global_eval.jsonl``: the loss
+    appending ``{"t", "tokens", "loss", "min_version"}`` lines to ``global_eval.jsonl``: the loss
     curve of the model the fleet builds, measured outside the learners (as an evaluation job
     beside a deployment would), so no learner spends training time on it. A fetch that fails
-    (the synchronizer restarting under chaos) is skipped and counted."""
+    (the synchronizer restarting under chaos) is skipped: that point is missing from the curve."""
 
     def __init__(self, target: str, doc_path: pathlib.Path, out: pathlib.Path, every_s: float,
                  eval_batches: int, tokens: Any) -> None:
@@ -188,7 +188,6 @@ class PeriodicGlobalEval:
         self.target, self.doc_path, self.every_s, self.eval_batches = target, doc_path, every_s, eval_batches
         self.path = out / "global_eval.jsonl"
         self.tokens = tokens
-        self.failures = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="global-eval", daemon=True)
 
@@ -207,7 +206,6 @@ class PeriodicGlobalEval:
                 tokens = int(self.tokens())
                 loss, versions = evaluator(timeout_s=max(5.0, self.every_s))
             except Exception:  # the synchronizer may be down (chaos) or not ready yet
-                self.failures += 1
                 continue
             with open(self.path, "a") as f:
                 f.write(json.dumps({"t": time.time(), "tokens": tokens, "loss": loss,

@@ -230,18 +230,21 @@ class Engine:
                 self._send_result(rec, merged_result(part, version, weight, staleness))
 
     def reject(self, c: Contribution, reason: str, detail: str, *, resync: bool = False) -> None:
-        self._count_rejection(reason, c.tokens)
-        self._log_event({"event": "reject", "t": self.wall(), "fragment": c.fragment, "learner": c.learner_id,
-                         "incarnation": c.incarnation, "sequence": c.sequence, "reason": reason})
+        """Reject ``c`` and every older contribution summed into it, each answered on its own."""
         rec = self.membership.learners.get(c.learner_id)
-        self.log.warning("contribution rejected", learner_id=c.learner_id, fragment=c.fragment,
-                         version=c.base_version, sequence=c.sequence, reason=reason, detail=detail)
-        if rec is not None:
-            rec.rejected += 1
-            self._send_result(rec, ContributionResult(sequence=c.sequence, fragment_id=c.fragment,
-                                                      outcome="rejected", reason=reason, detail=detail))
-            if resync:
-                rec.outbox.put_control(Resync(fragment_ids=(c.fragment,), reason=reason, detail=detail))
+        for part in c.parts():
+            self._count_rejection(reason, part.tokens)
+            self._log_event({"event": "reject", "t": self.wall(), "fragment": part.fragment,
+                             "learner": part.learner_id, "incarnation": part.incarnation,
+                             "sequence": part.sequence, "reason": reason})
+            self.log.warning("contribution rejected", learner_id=part.learner_id, fragment=part.fragment,
+                             version=part.base_version, sequence=part.sequence, reason=reason, detail=detail)
+            if rec is not None:
+                rec.rejected += 1
+                self._send_result(rec, ContributionResult(sequence=part.sequence, fragment_id=part.fragment,
+                                                          outcome="rejected", reason=reason, detail=detail))
+        if rec is not None and resync:
+            rec.outbox.put_control(Resync(fragment_ids=(c.fragment,), reason=reason, detail=detail))
 
     def _count_rejection(self, reason: str, tokens: int) -> None:
         self.rejected_by_reason[reason] += 1

@@ -131,13 +131,11 @@ class FragmentRound:
         for i, c in enumerate(sealed.entries):
             s = version - c.base_version
             if s < 0:
-                for part in c.parts():
-                    engine.reject(part, "future_version", f"base {c.base_version} is newer than version {version}",
-                                  resync=True)
+                engine.reject(c, "future_version", f"base {c.base_version} is newer than version {version}",
+                              resync=True)
             elif s > engine.cfg.staleness_window or (point and frag.params_at(c.base_version) is None):
-                for part in c.parts():
-                    engine.reject(part, "stale", f"base {c.base_version} is {s} versions behind {version} "
-                                                 f"(window {engine.cfg.staleness_window})", resync=True)
+                engine.reject(c, "stale", f"base {c.base_version} is {s} versions behind {version} "
+                                          f"(window {engine.cfg.staleness_window})", resync=True)
             else:
                 keep.append(i)
                 staleness.append(s)
