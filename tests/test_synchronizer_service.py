@@ -389,3 +389,23 @@ async def test_after_a_restart_merges_wait_for_the_last_merges_learners_to_rejoi
 def test_rejoin_window_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match="rejoin_window_s"):
         sync_config(tmp_path, rejoin_window_s=-1)
+
+
+async def test_concurrent_writers_on_one_stream_are_serialised(tmp_path):
+    """The learner's sender, heartbeat and goodbye paths write to one stream from separate tasks.
+
+    gRPC allows one write in flight per call; a second concurrent write failed the whole stream
+    with INTERNAL (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS), seen as spurious reconnects in long runs.
+    """
+    async with running_server(sync_config(tmp_path, policy=QuorumPolicy(quorum=1, max_grace_s=0.0))) as server:
+        (a,) = await _ready(server, "a")
+        delta = _delta(1, a, 0)
+        done = await asyncio.gather(
+            *(a.heartbeat(step=i) for i in range(1, 101)),
+            a.contribute(0, delta, base_version=0),
+            *(a.heartbeat(step=i) for i in range(101, 201)),
+        )
+        result = await a.wait_result(done[100])
+        assert result.outcome == "merged", result
+        assert server.engine.membership.live(server.engine.clock()), "the learner's stream broke"
+        await a.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from typing import Any
 
 import grpc
 import torch
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from ddiloco.fragments import wire
 from ddiloco.fragments.chunking import Transfer
@@ -84,6 +85,42 @@ class _Reconnect(Exception):
     pass
 
 
+
+class ReconnectBackoff:
+    """The wait before each reconnection attempt: exponential with jitter, restarted by a session.
+
+    ``initial_s * 2**(n-1)`` capped at ``max_s``, plus uniform jitter of up to ``jitter_s``, where n
+    counts the failed attempts since the last session that connected (tenacity counts attempts over
+    the thread's whole life). Without the restart, a stream that broke after hours of healthy
+    streaming waited the ceiling reached during some earlier outage: measured 5 s instead of
+    ~0.1-0.6 s, while a fleet-wide merge (quorum 0) waited for that learner.
+    """
+
+    def __init__(self, *, initial_s: float = 0.1, max_s: float = 2.0, jitter_s: float = 0.5,
+                 rng: random.Random | None = None) -> None:
+        if initial_s <= 0 or max_s < initial_s or jitter_s < 0:
+            raise ValueError("need 0 < initial_s <= max_s and jitter_s >= 0")
+        self.initial_s, self.max_s, self.jitter_s = initial_s, max_s, jitter_s
+        self._rng = rng or random.Random()
+        self._offset = 0
+        self._restart = False
+
+    def connected(self) -> None:
+        """A session got through Hello and the join: the next failure starts the sequence over."""
+        self._restart = True
+
+    def attempt(self, state: RetryCallState) -> int:
+        """Failed attempts since the last connected session (1 for the first)."""
+        return state.attempt_number - self._offset
+
+    def __call__(self, state: RetryCallState) -> float:
+        if self._restart:
+            self._restart = False
+            self._offset = state.attempt_number - 1
+        n = self.attempt(state)
+        base = self.initial_s * 2.0 ** min(n - 1, 60)
+        return min(base, self.max_s) + self._rng.uniform(0.0, self.jitter_s)
+
 class Comm:
     def __init__(self, cfg: LearnerConfig, *, layout: FragmentLayout, model_fingerprint: str, incarnation: int,
                  events: EventLog, held: Callable[[], dict[int, int]],
@@ -118,6 +155,7 @@ class Comm:
         self._transfer_id = 0
         self._thread = threading.Thread(target=self._thread_main, name=f"comm-{self.learner_id}", daemon=True)
         self._heartbeat_s = cfg.heartbeat_s
+        self._backoff = ReconnectBackoff(max_s=cfg.reconnect_max_s)
 
     # -- training-thread API --------------------------------------------------------------
 
@@ -207,16 +245,17 @@ class Comm:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        backoff = self._backoff
+
         def log_retry(state: Any) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            self.log.info("reconnecting", attempt=state.attempt_number, error=str(exc)[:200],
+            self.log.info("reconnecting", attempt=backoff.attempt(state), error=str(exc)[:200],
                           wait_s=round(state.next_action.sleep, 3) if state.next_action else None)
 
         # Any failure of a session (stream closed, RPC error, a bug in handling one message) ends
         # that session only; the thread reconnects with backoff until the learner stops.
-        retry = AsyncRetrying(
-            wait=wait_exponential_jitter(initial=0.1, max=self.cfg.reconnect_max_s),
-            retry=retry_if_exception_type(Exception), before_sleep=log_retry, reraise=True)
+        retry = AsyncRetrying(wait=backoff, retry=retry_if_exception_type(Exception), before_sleep=log_retry,
+                              reraise=True)
         try:
             async for attempt in retry:
                 with attempt:
@@ -245,6 +284,7 @@ class Comm:
             self._heartbeat_s = welcome.heartbeat_interval_s or cfg.heartbeat_s
             await self._join(stream, welcome)
             self.connected.set()
+            self._backoff.connected()
             self.events.emit("connect", synchronizer_id=welcome.synchronizer_id, state=welcome.state,
                              restarted=restarted)
             self._requeue_unacked()

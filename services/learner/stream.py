@@ -9,6 +9,7 @@ test learners use it directly.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -66,6 +67,10 @@ class SyncStream:
         self.max_chunk_bytes = max_chunk_bytes
         self.token = token
         self._call: Any = None
+        # gRPC allows one write in flight per call: a second concurrent write fails the whole
+        # call with INTERNAL (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS). The sender, the heartbeats and
+        # the goodbye run in separate tasks, so every write takes this lock.
+        self._write_lock = asyncio.Lock()
         self._reassembler = Reassembler(max_chunk_bytes=max_chunk_bytes, max_payload_bytes=1 << 34)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -80,7 +85,8 @@ class SyncStream:
 
     async def _write(self, msg: Any) -> None:
         try:
-            await self._call.write(msg)
+            async with self._write_lock:
+                await self._call.write(msg)
         except grpc.aio.AioRpcError as exc:
             raise StreamClosed(exc.code(), exc.details() or "") from exc
         except (grpc.aio.UsageError, RuntimeError) as exc:
@@ -95,8 +101,6 @@ class SyncStream:
             return StreamClosed(None, fallback)
 
     async def _read(self, timeout_s: float | None = None) -> Any:
-        import asyncio
-
         try:
             raw = await (asyncio.wait_for(self._call.read(), timeout_s) if timeout_s else self._call.read())
         except grpc.aio.AioRpcError as exc:
@@ -135,7 +139,8 @@ class SyncStream:
         try:
             if goodbye is not None:
                 await self.send(wire.Goodbye(reason=goodbye))
-            await self._call.done_writing()
+            async with self._write_lock:
+                await self._call.done_writing()
         except (StreamClosed, grpc.aio.UsageError, RuntimeError, grpc.aio.AioRpcError):
             pass
         self._call.cancel()
