@@ -32,10 +32,13 @@ class SynchronizerConfig:
     """fnmatch patterns of tensors always merged with the weighted mean (embeddings)."""
     outer_lr: float = 0.7
     """Outer Nesterov SGD learning rate."""
-    outer_momentum: float = 0.8
-    """Outer Nesterov momentum (0 gives plain SGD). DiLoCo uses 0.9 with H = 500; with the short
-    periods here (H = 24) 0.9 overshoots: ``ddiloco bench quality`` (synchronous, 3 learners, 600
-    steps) measured 1.830 at 0.8 against 1.910 at 0.9 (dp 1.655)."""
+    outer_momentum: float = 0.5
+    """Outer Nesterov momentum (0 gives plain SGD). DiLoCo uses 0.9 over thousands of outer steps;
+    the default run takes 25 per fragment (600 steps, H = 24) and there high momentum overshoots.
+    ``ddiloco bench quality`` (synchronous, 3 learners, 600 steps, outer lr 0.7; dp 1.655):
+    momentum 0.9 1.910, 0.8 1.830, 0.7 1.794, 0.6 1.781, **0.5 1.776**, 0.4 1.785; outer lr 0.9 is
+    worse at any momentum tried (0.7: 1.894, 0.5: 1.848), outer lr 0.5 with 0.7 gives 1.779. Long
+    runs may want more (docs/results/quality.json has the sweep; rerun it for a new budget)."""
     staleness_window: int = 4
     """Versions behind the current one a contribution may be and still be re-anchored."""
     stale_anchor: str = "point"

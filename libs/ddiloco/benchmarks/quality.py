@@ -38,7 +38,7 @@ class Case:
     steps: int = 600
     sync_every: int = 24
     outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_momentum: float = 0.5
     inner_lr: float = 3e-3
     late: int = 0
     anchor: str = "point"
