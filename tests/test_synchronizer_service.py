@@ -409,3 +409,37 @@ async def test_concurrent_writers_on_one_stream_are_serialised(tmp_path):
         assert result.outcome == "merged", result
         assert server.engine.membership.live(server.engine.clock()), "the learner's stream broke"
         await a.close()
+
+
+async def test_goodbye_reaches_the_synchronizer_while_other_writes_are_in_flight(tmp_path):
+    """A learner that stops says goodbye and half-closes; the synchronizer reads it and ends the
+    call itself. Before, the stream was cancelled right after the goodbye (and by cancelling a
+    task mid-write), so the goodbye was lost and the close raised 'RPC already finished'."""
+    async with running_server(sync_config(tmp_path)) as server:
+        (a,) = await _ready(server, "a")
+        flood = asyncio.gather(*(a.heartbeat(step=i) for i in range(1, 201)), return_exceptions=True)
+        await a.close("finished")
+        await flood
+        await eventually(lambda: not server.engine.membership.connected(), what="the learner detached")
+        assert server.engine.membership.learners["a"].left == "said goodbye (finished)"
+
+
+async def test_stale_contributions_of_every_live_learner_open_a_round_at_once(tmp_path):
+    # Version 1 is merged from a alone; then both send contributions against version 0 (stale by
+    # one; what learners do as they stop). One stale contribution waits for stale_round_s (60 s
+    # here); once every live learner has one waiting, they merge at once.
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0),
+                      stale_round_s=60.0)
+    async with running_server(cfg) as server:
+        a, b = await _ready(server, "a", "b")
+        first = await a.wait_result(await a.contribute(0, _delta(1, a, 0), base_version=0))
+        assert first.outcome == "merged" and first.version == 1
+        sb = await b.contribute(0, _delta(2, b, 0), base_version=0)
+        await asyncio.sleep(1.0)
+        assert b.result_for(sb) is None and server.engine.fragments[0].version == 1
+        sa = await a.contribute(0, _delta(3, a, 0), base_version=0)
+        ra, rb = await a.wait_result(sa, timeout_s=5), await b.wait_result(sb, timeout_s=5)
+        assert ra.outcome == rb.outcome == "merged" and ra.version == rb.version == 2
+        assert ra.staleness == rb.staleness == 1
+        for lr in (a, b):
+            await lr.close()

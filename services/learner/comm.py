@@ -305,13 +305,14 @@ class Comm:
             raise
         finally:
             self.connected.clear()
+            if self._stop.is_set():
+                # Say goodbye before cancelling the tasks: grpc cancels the whole call when a task
+                # is cancelled in the middle of a write, and the goodbye would never arrive.
+                await stream.close(getattr(self, "_goodbye", "stopping"))
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if self._stop.is_set():
-                await stream.close(getattr(self, "_goodbye", "stopping"))
-            else:
-                await stream.close()
+            await stream.close()
             await channel.close()
             if tasks:
                 self.events.emit("disconnect", synchronizer_id=self.synchronizer_id)

@@ -89,7 +89,8 @@ class SyncStream:
                 await self._call.write(msg)
         except grpc.aio.AioRpcError as exc:
             raise StreamClosed(exc.code(), exc.details() or "") from exc
-        except (grpc.aio.UsageError, RuntimeError) as exc:
+        except (grpc.aio.UsageError, RuntimeError, asyncio.InvalidStateError) as exc:
+            # InvalidStateError: the call already finished (or was half-closed) under us.
             raise await self._closed_error(str(exc)) from exc
 
     async def _closed_error(self, fallback: str) -> StreamClosed:
@@ -133,7 +134,10 @@ class SyncStream:
                 continue
             return msg
 
-    async def close(self, goodbye: str | None = None) -> None:
+    async def close(self, goodbye: str | None = None, linger_s: float = 2.0) -> None:
+        """End the stream. With ``goodbye``, say it, half-close, and give the synchronizer up to
+        ``linger_s`` to read everything and end the call itself before cancelling it: a cancel
+        overtakes messages it has not read yet, the goodbye among them."""
         if self._call is None:
             return
         try:
@@ -141,7 +145,10 @@ class SyncStream:
                 await self.send(wire.Goodbye(reason=goodbye))
             async with self._write_lock:
                 await self._call.done_writing()
-        except (StreamClosed, grpc.aio.UsageError, RuntimeError, grpc.aio.AioRpcError):
+            if goodbye is not None:
+                await asyncio.wait_for(self._call.code(), linger_s)
+        except (StreamClosed, grpc.aio.UsageError, RuntimeError, grpc.aio.AioRpcError, asyncio.InvalidStateError,
+                TimeoutError):
             pass
         self._call.cancel()
         self._call = None

@@ -349,6 +349,7 @@ class Engine:
 
     def detach(self, rec: LearnerRecord, stream_id: int, reason: str) -> None:
         if self.membership.detach(rec, stream_id):
+            rec.left = reason
             self.metrics.connected_learners.set(len(self.membership.connected()))
             self.log.info("learner disconnected", learner_id=rec.learner_id, reason=reason)
             self._poke_all()

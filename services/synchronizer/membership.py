@@ -35,6 +35,9 @@ class LearnerRecord:
     tokens_received: int = 0
     held: dict[int, int] = field(default_factory=dict)
     closing: asyncio.Event = field(default_factory=asyncio.Event)
+    left: str = ""
+    """Why its last stream ended ("" while connected): "said goodbye (REASON)", "learner closed the
+    stream", "stream ended" (cancelled or cut), "replaced by a newer stream", ..."""
 
 
 class Membership:
@@ -62,6 +65,7 @@ class Membership:
         self._next_stream += 1
         record.stream_id = self._next_stream
         record.connected = True
+        record.left = ""
         record.last_seen = now
         record.labels = dict(labels)
         if incarnation != record.incarnation:

@@ -4,7 +4,10 @@ Each fragment runs its own asyncio task. It re-evaluates the pure decision funct
 (``policies.decide``) whenever a contribution arrives, membership changes, or the decision's own
 wake-up time passes. A round *opens* with the first fresh contribution (computed against the
 current version); stale contributions join the next round rather than opening one, so a late
-arrival does not trigger a merge of its own. They open a round only after ``stale_round_s``.
+arrival does not trigger a merge of its own. They open a round after ``stale_round_s``, or at once
+when every live learner has one waiting: then nothing fresher is coming before a whole period has
+passed (this is the end of every finite run: each learner's last contributions, sent as it stops,
+are often a version behind, and waited 30 s for their results).
 
 The merge itself (re-anchoring, weighted RDA, Nesterov step, encoding, the durable commit) runs
 in a thread pool so the event loop keeps serving streams; the new version becomes visible and is
@@ -80,7 +83,8 @@ class FragmentRound:
                 self.opened_at = min(fresh)
             else:
                 oldest = self.inbox.oldest_arrival()
-                if oldest is not None and now - oldest >= self.engine.cfg.stale_round_s:
+                everyone = bool(live) and live <= self.inbox.contributors
+                if everyone or (oldest is not None and now - oldest >= self.engine.cfg.stale_round_s):
                     self.opened_at = now
         fresh = frozenset(e.learner_id for e in self.inbox.entries if e.base_version == version)
         view = RoundView(self.opened_at, self.quorum_at, self.inbox.contributors, live, fresh)

@@ -147,7 +147,8 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                             await context.abort(exc.code, exc.detail)
                         if exc is not None:
                             raise exc
-                        reason = "learner closed the stream"
+                        goodbye = read_task.result()
+                        reason = f"said goodbye ({goodbye})" if goodbye is not None else "learner closed the stream"
                         return
                     reason = "replaced by a newer stream" if not engine.closing else "synchronizer shutting down"
                     await context.abort(grpc.StatusCode.ABORTED, reason)
@@ -170,7 +171,8 @@ class SynchronizerServicer(wire.SynchronizerServicer):
         token = token_from_metadata(context.invocation_metadata())
         return {tok: lid for lid, tok in tokens.items()}.get(token, "")
 
-    async def _read(self, record: LearnerRecord, reader: Any) -> None:
+    async def _read(self, record: LearnerRecord, reader: Any) -> str | None:
+        """Handle the learner's messages until its stream ends; the goodbye's reason if it said one."""
         engine = self.engine
         reassembler = Reassembler(max_chunk_bytes=engine.cfg.protocol.max_chunk_bytes,
                                   max_payload_bytes=2 * engine.cfg.protocol.max_chunk_bytes * 4096)
@@ -195,7 +197,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 engine.heartbeat(record, msg)
             elif isinstance(msg, wire.Goodbye):
                 engine.log.info("learner said goodbye", learner_id=record.learner_id, reason=msg.reason)
-                return
+                return msg.reason
             else:
                 engine.reject_framing(record, reassembler.in_progress, "protocol", "Hello sent twice")
                 raise _Violation(grpc.StatusCode.INVALID_ARGUMENT, "protocol: Hello sent twice")

@@ -1,0 +1,52 @@
+"""The communication thread against a real synchronizer on 127.0.0.1:0: how a session ends."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from ddiloco.fragments.partition import partition_tensors
+from ddiloco.learner.comm import Comm
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.events import EventLog
+from tests.scripted import (
+    MODEL_FINGERPRINT,
+    ScriptedLearner,
+    eventually,
+    running_server,
+    sync_config,
+    toy_params,
+)
+
+
+async def test_stop_says_goodbye_even_with_heartbeats_in_flight(tmp_path):
+    # Heartbeats every millisecond: when the learner stops, a heartbeat write is nearly always in
+    # flight. Cancelling that task first cancelled the whole gRPC call (grpc does that when a write
+    # is interrupted), the goodbye never arrived and the close raised "RPC already finished".
+    cfg = dataclasses.replace(sync_config(tmp_path), heartbeat_interval_s=0.001)
+    async with running_server(cfg) as server:
+        seed = ScriptedLearner(server.port, "a")
+        await seed.connect()
+        await seed.upload_genesis()
+        await eventually(lambda: server.engine.ready, what="genesis commit")
+        await seed.close("seeded")
+
+        params = toy_params()
+        learner_cfg = LearnerConfig(synchronizer=f"127.0.0.1:{server.port}", learner_id="b", protocol=seed.protocol)
+        seen: list[str] = []
+        events = EventLog(None, learner_id="b", incarnation=7)
+        events.observers.append(lambda name, fields: seen.append(name))
+        comm = Comm(learner_cfg, layout=partition_tensors(params, seed.protocol.num_fragments),
+                    model_fingerprint=MODEL_FINGERPRINT, incarnation=7, events=events,
+                    held=lambda: {}, genesis_values=lambda: {})
+        comm.start()
+        try:
+            await eventually(lambda: "b" in server.engine.membership.learners
+                             and server.engine.membership.learners["b"].heartbeat_at > 0, what="b heartbeating")
+            await asyncio.sleep(0.3)
+        finally:
+            await asyncio.to_thread(comm.stop, "finished")
+        record = server.engine.membership.learners["b"]
+        await eventually(lambda: not record.connected, what="b detached")
+        assert record.left == "said goodbye (finished)"
+        assert seen.count("connect") == 1 and seen.count("disconnect") == 1, seen
