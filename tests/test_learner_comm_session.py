@@ -20,10 +20,9 @@ from tests.scripted import (
 
 
 async def test_stop_says_goodbye_even_with_heartbeats_in_flight(tmp_path):
-    # Heartbeats every millisecond: when the learner stops, a heartbeat write is nearly always in
-    # flight. Cancelling that task first cancelled the whole gRPC call (grpc does that when a write
+    # Heartbeats every 10 ms: when the learner stops, a heartbeat write is often in flight. Cancelling that task first cancelled the whole gRPC call (grpc does that when a write
     # is interrupted), the goodbye never arrived and the close raised "RPC already finished".
-    cfg = dataclasses.replace(sync_config(tmp_path), heartbeat_interval_s=0.001)
+    cfg = dataclasses.replace(sync_config(tmp_path), heartbeat_interval_s=0.01)
     async with running_server(cfg) as server:
         seed = ScriptedLearner(server.port, "a")
         await seed.connect()
@@ -46,6 +45,7 @@ async def test_stop_says_goodbye_even_with_heartbeats_in_flight(tmp_path):
             await asyncio.sleep(0.3)
         finally:
             await asyncio.to_thread(comm.stop, "finished")
+        assert not comm._thread.is_alive(), "stop() returned before the communication thread ended"
         record = server.engine.membership.learners["b"]
         await eventually(lambda: not record.connected, what="b detached")
         assert record.left == "said goodbye (finished)"

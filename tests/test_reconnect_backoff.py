@@ -12,21 +12,34 @@ from ddiloco.learner.comm import ReconnectBackoff
 from ddiloco.learner.config import LearnerConfig
 
 
-def _waits(backoff: ReconnectBackoff, outcomes: str) -> list[float]:
-    """Run a retry loop whose attempts go as ``outcomes`` says: F = failed to connect,
-    C = connected, then the session broke. Returns the waits before each next attempt."""
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _waits(backoff: ReconnectBackoff, outcomes: str, clock: Clock | None = None) -> list[float]:
+    """Run a retry loop whose attempts go as ``outcomes`` says: F = failed to connect, C =
+    connected and held for 10 s before the stream broke, c = connected and broke at once.
+    Returns the waits before each next attempt."""
     waits: list[float] = []
+    clock = clock or Clock()
 
     async def sleep(s: float) -> None:
         waits.append(s)
+        clock.now += s
 
     async def run() -> None:
         steps = iter(outcomes)
         async for attempt in AsyncRetrying(wait=backoff, sleep=sleep, retry=retry_if_exception_type(OSError),
                                            stop=lambda state: state.attempt_number >= len(outcomes), reraise=True):
             with attempt:
-                if next(steps) == "C":
+                step = next(steps)
+                if step in "Cc":
                     backoff.connected()
+                    clock.now += 10.0 if step == "C" else 0.01
                 raise OSError("stream broke")
 
     with pytest.raises(OSError):
@@ -42,20 +55,30 @@ def test_backoff_doubles_to_the_cap_with_bounded_jitter():
         assert b <= w <= b + 0.5
 
 
-def test_a_session_that_connected_restarts_the_sequence():
-    # Seven failures reach the cap; a session connects and later breaks: the next wait is short
-    # again, and the sequence doubles from there.
-    waits = _waits(ReconnectBackoff(initial_s=0.1, max_s=2.0, jitter_s=0.0), "FFFFFFFCFFF")
+def test_a_session_that_held_restarts_the_sequence():
+    # Seven failures reach the cap; a session connects, runs 10 s and breaks: the next wait is
+    # short again, and the sequence doubles from there.
+    clock = Clock()
+    waits = _waits(ReconnectBackoff(initial_s=0.1, max_s=2.0, jitter_s=0.0, clock=clock), "FFFFFFFCFFF", clock)
     assert waits[:7] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0])
     assert waits[7:] == pytest.approx([0.1, 0.2, 0.4])
 
 
+def test_a_session_that_breaks_at_once_keeps_backing_off():
+    # Connected but dropped within max_s (e.g. two processes with one id replacing each other):
+    # no restart, or they would reconnect every 0.1 s forever.
+    clock = Clock()
+    waits = _waits(ReconnectBackoff(initial_s=0.1, max_s=2.0, jitter_s=0.0, clock=clock), "FFFFcFcF", clock)
+    assert waits == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0])
+
+
 def test_attempt_counts_from_the_last_connected_session():
-    backoff = ReconnectBackoff(jitter_s=0.0)
+    clock = Clock()
+    backoff = ReconnectBackoff(jitter_s=0.0, clock=clock)
     seen: list[int] = []
 
     async def sleep(s: float) -> None:
-        pass
+        clock.now += 10.0
 
     async def run() -> None:
         steps = iter("FFCFF")
@@ -65,6 +88,7 @@ def test_attempt_counts_from_the_last_connected_session():
             with attempt:
                 if next(steps) == "C":
                     backoff.connected()
+                    clock.now += 10.0
                 raise OSError("x")
 
     with pytest.raises(OSError):

@@ -8,12 +8,14 @@ contribution (checked against hand-computed Nesterov/RDA numbers), and supersess
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 
 import pytest
 import torch
 
+from ddiloco.learner.stream import StreamClosed
 from ddiloco.synchronizer.policies import QuorumPolicy
 from tests.scripted import ScriptedLearner, eventually, running_server, sync_config, toy_params
 
@@ -417,9 +419,16 @@ async def test_goodbye_reaches_the_synchronizer_while_other_writes_are_in_flight
     task mid-write), so the goodbye was lost and the close raised 'RPC already finished'."""
     async with running_server(sync_config(tmp_path)) as server:
         (a,) = await _ready(server, "a")
-        flood = asyncio.gather(*(a.heartbeat(step=i) for i in range(1, 201)), return_exceptions=True)
+
+        async def flood() -> None:
+            for i in itertools.count(1):
+                await a.heartbeat(step=i)
+
+        writer = asyncio.create_task(flood())
+        await asyncio.sleep(0.2)
         await a.close("finished")
-        await flood
+        with pytest.raises(StreamClosed):  # its next write found the stream half-closed
+            await asyncio.wait_for(writer, 5.0)
         await eventually(lambda: not server.engine.membership.connected(), what="the learner detached")
         assert server.engine.membership.learners["a"].left == "said goodbye (finished)"
 

@@ -90,36 +90,41 @@ class ReconnectBackoff:
     """The wait before each reconnection attempt: exponential with jitter, restarted by a session.
 
     ``initial_s * 2**(n-1)`` capped at ``max_s``, plus uniform jitter of up to ``jitter_s``, where n
-    counts the failed attempts since the last session that connected (tenacity counts attempts over
-    the thread's whole life). Without the restart, a stream that broke after hours of healthy
+    counts the failed attempts since the last session that connected and held (tenacity counts
+    attempts over the thread's whole life). Without the restart, a stream that broke after hours of healthy
     streaming waited the ceiling reached during some earlier outage: measured 5 s instead of
     ~0.1-0.6 s, while a fleet-wide merge (quorum 0) waited for that learner.
     """
 
     def __init__(self, *, initial_s: float = 0.1, max_s: float = 2.0, jitter_s: float = 0.5,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if initial_s <= 0 or max_s < initial_s or jitter_s < 0:
             raise ValueError("need 0 < initial_s <= max_s and jitter_s >= 0")
         self.initial_s, self.max_s, self.jitter_s = initial_s, max_s, jitter_s
         self._rng = rng or random.Random()
+        self._clock = clock
         self._offset = 0
-        self._restart = False
+        self._connected_at: float | None = None
 
     def connected(self) -> None:
-        """A session got through Hello and the join: the next failure starts the sequence over."""
-        self._restart = True
+        """A session got through Hello and the join. If it then lasts ``max_s`` or longer, the
+        next failure starts the sequence over; one that fails sooner (say, two processes with
+        the same id knocking each other off) keeps backing off."""
+        self._connected_at = self._clock()
 
     def attempt(self, state: RetryCallState) -> int:
         """Failed attempts since the last connected session (1 for the first)."""
         return state.attempt_number - self._offset
 
     def __call__(self, state: RetryCallState) -> float:
-        if self._restart:
-            self._restart = False
-            self._offset = state.attempt_number - 1
+        if self._connected_at is not None:
+            if self._clock() - self._connected_at >= self.max_s:
+                self._offset = state.attempt_number - 1
+            self._connected_at = None
         n = self.attempt(state)
         base = self.initial_s * 2.0 ** min(n - 1, 60)
         return min(base, self.max_s) + self._rng.uniform(0.0, self.jitter_s)
+
 
 class Comm:
     def __init__(self, cfg: LearnerConfig, *, layout: FragmentLayout, model_fingerprint: str, incarnation: int,

@@ -71,6 +71,9 @@ class SyncStream:
         # call with INTERNAL (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS). The sender, the heartbeats and
         # the goodbye run in separate tasks, so every write takes this lock.
         self._write_lock = asyncio.Lock()
+        # Held for a whole transfer, so a goodbye never falls between two chunks of one (the
+        # synchronizer stops reading at the goodbye). Heartbeats only take the write lock.
+        self._transfer_lock = asyncio.Lock()
         self._reassembler = Reassembler(max_chunk_bytes=max_chunk_bytes, max_payload_bytes=1 << 34)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -111,9 +114,10 @@ class SyncStream:
         return wire.synchronizer_message_from_pb(raw)
 
     async def send_transfer(self, chunks: list[Chunk]) -> None:
-        for chunk in chunks:
-            await self._write(wire.learner_message_to_pb(chunk))
-            self.bytes_sent += len(chunk.data)
+        async with self._transfer_lock:
+            for chunk in chunks:
+                await self._write(wire.learner_message_to_pb(chunk))
+                self.bytes_sent += len(chunk.data)
 
     async def send(self, message: wire.Heartbeat | wire.Goodbye) -> None:
         await self._write(wire.learner_message_to_pb(message))
@@ -135,20 +139,24 @@ class SyncStream:
             return msg
 
     async def close(self, goodbye: str | None = None, linger_s: float = 2.0) -> None:
-        """End the stream. With ``goodbye``, say it, half-close, and give the synchronizer up to
-        ``linger_s`` to read everything and end the call itself before cancelling it: a cancel
-        overtakes messages it has not read yet, the goodbye among them."""
+        """End the stream. With ``goodbye``: let a transfer in progress finish, say goodbye and
+        half-close (nothing is written after it), and let the synchronizer read everything and end
+        the call itself, all within ``linger_s``; then cancel the call. A cancel overtakes messages
+        the synchronizer has not read yet, the goodbye among them; the bound keeps a stalled or
+        cut link from holding the learner's exit."""
         if self._call is None:
             return
         try:
-            if goodbye is not None:
-                await self.send(wire.Goodbye(reason=goodbye))
-            async with self._write_lock:
-                await self._call.done_writing()
-            if goodbye is not None:
-                await asyncio.wait_for(self._call.code(), linger_s)
-        except (StreamClosed, grpc.aio.UsageError, RuntimeError, grpc.aio.AioRpcError, asyncio.InvalidStateError,
-                TimeoutError):
+            async with asyncio.timeout(linger_s):
+                if goodbye is not None:
+                    async with self._transfer_lock, self._write_lock:
+                        await self._call.write(wire.learner_message_to_pb(wire.Goodbye(reason=goodbye)))
+                        await self._call.done_writing()
+                    await self._call.code()
+                else:
+                    async with self._write_lock:
+                        await self._call.done_writing()
+        except (grpc.aio.UsageError, RuntimeError, grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
             pass
         self._call.cancel()
         self._call = None

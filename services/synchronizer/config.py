@@ -64,8 +64,8 @@ class SynchronizerConfig:
     default chaos run. It bounds restart-to-first-merge; 0 disables it."""
     stale_round_s: float = 30.0
     """Stale contributions alone open a round after waiting this long (normally they join the
-    next round that a fresh contribution opens), or at once when every live learner has one
-    waiting for the fragment."""
+    next round that a fresh contribution opens); once every live learner has one waiting, after
+    one period (H steps at the fleet's step time) if that is shorter."""
     heartbeat_interval_s: float = 1.0
     """How often learners are asked to heartbeat."""
     heartbeat_timeout_s: float = 10.0

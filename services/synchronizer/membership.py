@@ -37,7 +37,9 @@ class LearnerRecord:
     closing: asyncio.Event = field(default_factory=asyncio.Event)
     left: str = ""
     """Why its last stream ended ("" while connected): "said goodbye (REASON)", "learner closed the
-    stream", "stream ended" (cancelled or cut), "replaced by a newer stream", ..."""
+    stream" (half-closed without a goodbye), "stream ended" (cancelled or cut), a protocol
+    violation, "synchronizer shutting down". A stream replaced by a newer one records nothing: the
+    learner is still connected."""
 
 
 class Membership:

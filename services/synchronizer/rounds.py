@@ -4,10 +4,8 @@ Each fragment runs its own asyncio task. It re-evaluates the pure decision funct
 (``policies.decide``) whenever a contribution arrives, membership changes, or the decision's own
 wake-up time passes. A round *opens* with the first fresh contribution (computed against the
 current version); stale contributions join the next round rather than opening one, so a late
-arrival does not trigger a merge of its own. They open a round after ``stale_round_s``, or at once
-when every live learner has one waiting: then nothing fresher is coming before a whole period has
-passed (this is the end of every finite run: each learner's last contributions, sent as it stops,
-are often a version behind, and waited 30 s for their results).
+arrival does not trigger a merge of its own. They open a round after ``stale_round_s``, or after a
+whole period when every live learner has one waiting (``FragmentRound._stale_wait``).
 
 The merge itself (re-anchoring, weighted RDA, Nesterov step, encoding, the durable commit) runs
 in a thread pool so the event loop keeps serving streams; the new version becomes visible and is
@@ -75,6 +73,21 @@ class FragmentRound:
 
     # -- decisions ------------------------------------------------------------------------
 
+    def _stale_wait(self, live: frozenset[str]) -> float:
+        """How long stale contributions wait before they open a round of their own.
+
+        ``stale_round_s``; but once every live learner has one waiting and the oldest has waited
+        a whole period (H steps at the fleet's step time), nothing fresher is coming: each learner
+        would have sent its next contribution for this fragment by then. That is the end of every
+        finite run (a learner's last contributions, sent as it stops, are often a version behind),
+        where the results otherwise came 30 s late."""
+        wait = self.engine.cfg.stale_round_s
+        if live and live <= self.inbox.contributors:
+            step_s = self.engine.timings().step_time_s
+            if step_s > 0:
+                wait = min(wait, self.engine.cfg.protocol.sync_every * step_s)
+        return wait
+
     def view(self, now: float, live: frozenset[str]) -> RoundView:
         version = self.fragment.version
         if self.opened_at is None and len(self.inbox):
@@ -83,8 +96,7 @@ class FragmentRound:
                 self.opened_at = min(fresh)
             else:
                 oldest = self.inbox.oldest_arrival()
-                everyone = bool(live) and live <= self.inbox.contributors
-                if everyone or (oldest is not None and now - oldest >= self.engine.cfg.stale_round_s):
+                if oldest is not None and now - oldest >= self._stale_wait(live):
                     self.opened_at = now
         fresh = frozenset(e.learner_id for e in self.inbox.entries if e.base_version == version)
         view = RoundView(self.opened_at, self.quorum_at, self.inbox.contributors, live, fresh)
