@@ -85,15 +85,14 @@ class _Reconnect(Exception):
     pass
 
 
-
 class ReconnectBackoff:
     """The wait before each reconnection attempt: exponential with jitter, restarted by a session.
 
     ``initial_s * 2**(n-1)`` capped at ``max_s``, plus uniform jitter of up to ``jitter_s``, where n
     counts the failed attempts since the last session that connected and held (tenacity counts
-    attempts over the thread's whole life). Without the restart, a stream that broke after hours of healthy
-    streaming waited the ceiling reached during some earlier outage: measured 5 s instead of
-    ~0.1-0.6 s, while a fleet-wide merge (quorum 0) waited for that learner.
+    attempts over the thread's whole life). Without the restart, a stream that broke after hours
+    of healthy streaming waited the ceiling reached during some earlier outage: measured 5 s
+    instead of ~0.1-0.6 s, while a fleet-wide merge (quorum 0) waited for that learner.
     """
 
     def __init__(self, *, initial_s: float = 0.1, max_s: float = 2.0, jitter_s: float = 0.5,

@@ -94,10 +94,10 @@ class LearnerConfig:
     """streaming/diloco: the longest a learner blocks for a merged fragment before it carries on."""
     reconnect_max_s: float = 2.0
     """Longest backoff between reconnection attempts (plus up to 0.5 s jitter). The wait doubles
-    from 0.1 s and starts over after every session that connected. A learner that tries every 2 s
-    rejoins a restarted synchronizer within ~2.5 s of it serving again (at 5 s, the default
-    before, the last learners of a 4-learner chaos run came back 5 s after it and the
-    every-learner merges waited for them); a connect attempt to a down port costs nothing."""
+    from 0.1 s and starts over after every session that stayed connected this long. A learner
+    that tries every 2 s rejoins a restarted synchronizer within ~2.5 s of it serving again (at
+    5 s, the default before, the last learners of a 4-learner chaos run came back 5 s after it
+    and the every-learner merges waited for them); a connect attempt to a down port costs nothing."""
     token: str | None = None
     """Bearer token for the synchronizer (also $DDILOCO_TOKEN)."""
     tls_ca: str | None = None

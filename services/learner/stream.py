@@ -148,14 +148,12 @@ class SyncStream:
             return
         try:
             async with asyncio.timeout(linger_s):
-                if goodbye is not None:
-                    async with self._transfer_lock, self._write_lock:
+                async with self._transfer_lock, self._write_lock:
+                    if goodbye is not None:
                         await self._call.write(wire.learner_message_to_pb(wire.Goodbye(reason=goodbye)))
-                        await self._call.done_writing()
+                    await self._call.done_writing()
+                if goodbye is not None:
                     await self._call.code()
-                else:
-                    async with self._write_lock:
-                        await self._call.done_writing()
         except (grpc.aio.UsageError, RuntimeError, grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
             pass
         self._call.cancel()
