@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:  `make run` (train on the embedded default)  and  `make test`.
 # Both create .venv and install everything they need. On a CPU-only machine torch $(TORCH_VERSION)
-# (CPU build) is installed first, so the package's torch range installs nothing more; with a CUDA
+# (CPU build) is installed first, so the packages' torch range installs nothing more; with a CUDA
 # machine, install the torch build you want into .venv first (or set TORCH_SPEC).
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,13 +8,21 @@ TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Every distribution of the workspace, lowest layer first (see pyproject.toml).
+PARTS := libs/core libs/fragments libs/protocol libs/algorithm libs/simulator services/synchronizer \
+         services/learner lab
+PYPROJECTS := pyproject.toml $(addsuffix /pyproject.toml,$(PARTS))
 
 .PHONY: install run test lint bench protos clean
 
-$(STAMP): pyproject.toml
+$(STAMP): $(PYPROJECTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet "setuptools>=69" wheel
+	# compat: each folder goes on sys.path as it is, so tools that read files (lint-imports, mypy) see
+	# the namespace packages exactly as Python imports them
+	$(BIN)/pip install --quiet --no-build-isolation --config-settings editable_mode=compat \
+		$(addprefix -e ,$(PARTS)) -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,7 +35,8 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy libs/fragments services/synchronizer/policies.py
+	$(BIN)/lint-imports
+	$(BIN)/mypy libs/fragments/ddiloco libs/algorithm/ddiloco libs/core/ddiloco
 
 bench: $(STAMP)
 	$(BIN)/ddiloco bench codec

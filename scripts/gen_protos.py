@@ -1,8 +1,8 @@
 """Generate the checked-in protobuf/gRPC Python code from protos/.
 
-The generated modules live in ``libs/ddiloco/v1`` (import name ``ddiloco.v1``, matching the
+The generated modules live in ``libs/protocol/ddiloco/v1`` (import name ``ddiloco.v1``, matching the
 protobuf package) and are committed, so installing ddiloco never needs grpcio-tools.
-``ddiloco.fragments.wire`` is the only module that imports them. ``tests/test_generated_code.py``
+``ddiloco.protocol.wire`` is the only module that imports them. ``tests/test_generated_code.py``
 regenerates into a temporary folder and fails when the checked-in files drift.
 
 Usage: ``python scripts/gen_protos.py [--out DIR]``
@@ -16,7 +16,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "protos"
-DEFAULT_OUT = ROOT / "libs"
+DEFAULT_OUT = ROOT / "libs" / "protocol"
 GENERATED_DIR = ("ddiloco", "v1")
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    # protoc writes out/ddiloco/v1/*; with the default out that is libs/ddiloco/v1.
+    # protoc writes out/ddiloco/v1/*; with the default out that is libs/protocol/ddiloco/v1.
     for path in generate(args.out):
         print(path.relative_to(args.out))
     return 0

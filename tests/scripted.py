@@ -1,6 +1,6 @@
 """Scripted learners for synchronizer tests: real gRPC streams, hand-made contributions.
 
-A ``ScriptedLearner`` speaks the real protocol through ``ddiloco.learner.stream.SyncStream``
+A ``ScriptedLearner`` speaks the real protocol through ``ddiloco.protocol.client.SyncStream``
 against a real server on 127.0.0.1:0; the test decides exactly what each learner sends and when.
 """
 
@@ -16,15 +16,15 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from ddiloco.config import ProtocolConfig
-from ddiloco.fragments import wire
+from ddiloco.algorithm.policies import QuorumPolicy
+from ddiloco.core.config import ProtocolConfig
 from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
-from ddiloco.learner.stream import SyncStream, open_channel
+from ddiloco.protocol import wire
+from ddiloco.protocol.client import SyncStream, open_channel
 from ddiloco.synchronizer.config import SynchronizerConfig
-from ddiloco.synchronizer.policies import QuorumPolicy
 from ddiloco.synchronizer.server import SynchronizerServer
 
 MODEL_FINGERPRINT = "model-test"

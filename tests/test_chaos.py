@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from ddiloco.learner.chaos import FaultPlan, parse_seconds
+from ddiloco.lab.chaos import FaultPlan, parse_seconds
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def _chaos_run(tmp_path: pathlib.Path, plan: FaultPlan, *, steps: int = 500, lea
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(plan.to_dict()))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--config", str(cfg), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
                            "--no-progress", "--learners", str(learners), "--steps", str(steps), "--chaos",
                            str(plan_path), *extra], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

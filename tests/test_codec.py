@@ -442,7 +442,7 @@ def test_codec_benchmark_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def
     """``ddiloco bench codec --quick`` runs end to end and writes its JSON."""
     import json
 
-    from ddiloco.benchmarks.cli import main
+    from ddiloco.lab.bench.cli import main
 
     out = tmp_path / "codec.json"
     threads = torch.get_num_threads()

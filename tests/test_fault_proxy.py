@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ddiloco.learner.fault_proxy import FaultProxy, FaultProxyConfig
+from ddiloco.lab.fault_proxy import FaultProxy, FaultProxyConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,8 +12,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CHECKED_IN = ROOT / "libs" / "ddiloco" / "v1"
-FIX = "run `python scripts/gen_protos.py` and commit libs/ddiloco/v1"
+CHECKED_IN = ROOT / "libs" / "protocol" / "ddiloco" / "v1"
+FIX = "run `python scripts/gen_protos.py` and commit libs/protocol/ddiloco/v1"
 
 
 def _gen_protos():  # type: ignore[no-untyped-def]
@@ -40,7 +40,7 @@ def test_generated_code_matches_protos(tmp_path: pathlib.Path) -> None:
     missing, extra = sorted(set(fresh) - set(checked_in)), sorted(set(checked_in) - set(fresh))
     assert not missing and not extra, f"generated files differ: missing {missing}, stale {extra}; {FIX} {context}"
     drifted = [name for name in sorted(fresh) if fresh[name] != checked_in[name]]
-    assert not drifted, f"libs/ddiloco/v1/{{{', '.join(drifted)}}} differ from protos/: {FIX} {context}"
+    assert not drifted, f"libs/protocol/ddiloco/v1/{{{', '.join(drifted)}}} differ from protos/: {FIX} {context}"
 
 
 def test_generation_covers_every_proto() -> None:
@@ -56,7 +56,7 @@ def test_generated_descriptor_matches_the_proto_source() -> None:
     .proto file exists in the loaded descriptor."""
     import re
 
-    from ddiloco.fragments import wire
+    from ddiloco.protocol import wire
 
     source = (ROOT / "protos" / "ddiloco" / "v1" / "synchronizer.proto").read_text()
     messages = set(re.findall(r"^message (\w+)", source, re.M))

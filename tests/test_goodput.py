@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ddiloco.learner.goodput import (
+from ddiloco.lab.goodput import (
     KILLED_IN_FLIGHT,
     fleet_summary,
     learner_goodput,
@@ -355,7 +355,7 @@ def test_load_run_dir_sorts_logs_by_content(tmp_path: Path) -> None:
 
 
 def test_short_loop_gaps_of_one_learner_are_progress_but_stalls_are_not() -> None:
-    from ddiloco.learner.goodput import fleet_summary
+    from ddiloco.lab.goodput import fleet_summary
 
     def log(gaps: list[float]) -> list[dict]:
         events = [{"event": "start", "t": 0.0, "learner_id": "a", "incarnation": 1, "num_fragments": 1,

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from ddiloco.learner.goodput import load_jsonl
+from ddiloco.lab.goodput import load_jsonl
 
 TINY = """
 protocol: {num_fragments: 4, sync_every: 8, overlap: 2}
@@ -35,7 +35,7 @@ def _run(tmp_path: pathlib.Path, *args: str, extra: str = "", name: str = "run")
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(TINY + extra)
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--config", str(cfg), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
                            "--no-progress", *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -88,17 +88,17 @@ def test_baseline_run_dir_is_reported_beside_the_run_and_mismatches_are_refused(
                           (["--steps", "40", "--seed", "3"], "seed 0 (this run: 3)"),
                           (["--steps", "40", "--mode", "diloco"], "mode 'decoupled'")):
         out = tmp_path / "refused"
-        proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--config", str(cfg), "--out", str(out),
+        proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
                                "--no-progress", "--learners", "2", *args, "--baseline", str(base["_out"])],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert not out.exists(), "a refused run must not start"
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--baseline", str(tmp_path / "nowhere")],
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--baseline", str(tmp_path / "nowhere")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cannot read" in proc.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("run: {global_eval_every_s: -1}\n")
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "run", "--config", str(bad), "--out",
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(bad), "--out",
                            str(tmp_path / "bad")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "global_eval_every_s" in proc.stderr and not (tmp_path / "bad").exists()
 
@@ -135,7 +135,7 @@ def test_late_learner_fetches_state_and_contributes(tmp_path):
     cfg.write_text(TINY)
     ready = tmp_path / "ready.json"
     env = dict(os.environ, DDILOCO_LOG_JSON="1")
-    cli = [sys.executable, "-m", "ddiloco.cli"]
+    cli = [sys.executable, "-m", "ddiloco.core.cli"]
     procs = []
     try:
         sync = subprocess.Popen([*cli, "synchronizer", "--listen", "127.0.0.1:0", "--state-dir",

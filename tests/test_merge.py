@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from ddiloco.algorithm import merge as merge_mod
+from ddiloco.algorithm.merge import DEFAULT_EMBEDDING_PATTERNS, embedding_mask, merge_deltas
 from ddiloco.fragments.partition import Fragment, TensorSpec
-from ddiloco.synchronizer import merge as merge_mod
-from ddiloco.synchronizer.merge import DEFAULT_EMBEDDING_PATTERNS, embedding_mask, merge_deltas
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "merge.json"
 REWRITE = os.environ.get("DDILOCO_REWRITE_GOLDEN") == "1"

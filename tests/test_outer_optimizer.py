@@ -17,8 +17,8 @@ import pathlib
 import pytest
 import torch
 
-from ddiloco.synchronizer import outer_optimizer as outer_mod
-from ddiloco.synchronizer.outer_optimizer import OuterNesterov
+from ddiloco.algorithm import outer_optimizer as outer_mod
+from ddiloco.algorithm.outer_optimizer import OuterNesterov
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "outer_nesterov.json"
 REWRITE = os.environ.get("DDILOCO_REWRITE_GOLDEN") == "1"

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ddiloco.learner.goodput import RunLogs, fleet_summary
-from ddiloco.learner.plots import PLOT_FILES, plot_compare, plot_run
+from ddiloco.lab.goodput import RunLogs, fleet_summary
+from ddiloco.lab.plots import PLOT_FILES, plot_compare, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from ddiloco.synchronizer.policies import (
+from ddiloco.algorithm.policies import (
     QuorumPolicy,
     RoundView,
     RunningAverage,
@@ -211,7 +211,7 @@ def test_running_average():
 
 
 def test_stale_leftovers_do_not_count_as_everyone_contributed() -> None:
-    from ddiloco.synchronizer.policies import QuorumPolicy, RoundView, Timings, decide
+    from ddiloco.algorithm.policies import QuorumPolicy, RoundView, Timings, decide
 
     live = frozenset({"a", "b", "c"})
     policy = QuorumPolicy(quorum=1, grace_gamma=0.5, max_grace_s=10.0)

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from ddiloco.benchmarks.quality import Case, run_case
+from ddiloco.lab.bench.quality import Case, run_case
 
 
 def test_cases_run_and_are_saved(tmp_path) -> None:
     out = tmp_path / "quality.json"
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "bench", "quality", "--steps", "6", "--threads", "1",
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "quality", "--steps", "6", "--threads", "1",
                            "--cases", "dp:eval_batches=2,diloco:sync_every=2:eval_batches=2,"
                                       "diloco:sync_every=2:late=1:anchor=delta:eval_batches=2",
                            "--out", str(out)], capture_output=True, text=True, timeout=240)
@@ -48,6 +48,6 @@ def test_late_anchor_changes_the_result_and_no_late_is_deterministic() -> None:
                                           ("diloco:speed=2", "unknown case setting"),
                                           ("diloco:anchor=nowhere", "anchor must be")])
 def test_bad_cases_are_refused(spec, message) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.cli", "bench", "quality", "--cases", spec],
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "quality", "--cases", spec],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 
+from ddiloco.algorithm import policies
 from ddiloco.simulator import (
     YEAR_S,
     SimConfig,
@@ -27,7 +28,6 @@ from ddiloco.simulator import (
 )
 from ddiloco.simulator.cli import main
 from ddiloco.simulator.report import PAPER_GOODPUT
-from ddiloco.synchronizer import policies
 
 FAST = dict(hours=2.0, merge_hours=0.0)
 

@@ -22,12 +22,12 @@ import time
 import pytest
 import torch
 
-from ddiloco.synchronizer.commit import FragmentRecord, StateStore
+from ddiloco.synchronizer.store import FragmentRecord, StateStore
 from tests.scripted import ScriptedLearner, eventually, toy_protocol
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from ddiloco.synchronizer.commit import StateStore, FragmentRecord
+    from ddiloco.synchronizer.store import StateStore, FragmentRecord
     store = StateStore(sys.argv[1], keep_versions=3)
     n = int(sys.argv[2])
     v = 0
@@ -95,7 +95,7 @@ def _start_synchronizer(state_dir: pathlib.Path, config: pathlib.Path, ready: pa
     ready.unlink(missing_ok=True)
     env = dict(os.environ, DDILOCO_LOG_JSON="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli", "synchronizer", "--listen", "127.0.0.1:0", "--state-dir",
+        [sys.executable, "-m", "ddiloco.core.cli", "synchronizer", "--listen", "127.0.0.1:0", "--state-dir",
          str(state_dir), "--config", str(config), "--ready-file", str(ready)],
         stdout=subprocess.DEVNULL, stderr=open(state_dir.parent / "sync.log", "ab"), env=env)
 
@@ -113,7 +113,7 @@ def _wait_ready(proc: subprocess.Popen, ready: pathlib.Path, timeout_s: float = 
 
 async def _stream_contributions(learner: ScriptedLearner, versions: dict[int, int], stop: asyncio.Event) -> None:
     """Contribute to every fragment against the newest version this learner has seen."""
-    from ddiloco.learner.stream import StreamClosed
+    from ddiloco.protocol.client import StreamClosed
 
     rng = torch.Generator().manual_seed(hash(learner.learner_id) % 1000)
     try:

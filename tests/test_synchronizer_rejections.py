@@ -16,11 +16,11 @@ import grpc
 import pytest
 import torch
 
-from ddiloco.fragments import wire
+from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.fragments.chunking import Chunk, crc32c
 from ddiloco.fragments.partition import TensorSpec
-from ddiloco.learner.stream import StreamClosed
-from ddiloco.synchronizer.policies import QuorumPolicy
+from ddiloco.protocol import wire
+from ddiloco.protocol.client import StreamClosed
 from tests.scripted import ScriptedLearner, eventually, running_server, sync_config
 
 

@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from ddiloco.learner.stream import StreamClosed
-from ddiloco.synchronizer.policies import QuorumPolicy
+from ddiloco.algorithm.policies import QuorumPolicy
+from ddiloco.protocol.client import StreamClosed
 from tests.scripted import ScriptedLearner, eventually, running_server, sync_config, toy_params
 
 
@@ -66,7 +66,7 @@ async def test_genesis_then_fetch_state_returns_the_uploaded_parameters(tmp_path
 async def test_fetch_state_before_genesis_is_failed_precondition(tmp_path):
     import grpc
 
-    from ddiloco.learner.stream import StreamClosed
+    from ddiloco.protocol.client import StreamClosed
 
     async with running_server(sync_config(tmp_path)) as server:
         learner = ScriptedLearner(server.port, "a")
@@ -139,7 +139,7 @@ async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anc
         # Hand-computed: merge of A,B (RDA per tensor, equal weights; 2 of 3 live learners, so a
         # 2/3 step when scaled by participation), Nesterov, then C alone (1/3): re-anchored to its
         # model ("point") or its Delta as is ("delta").
-        from ddiloco.synchronizer.merge import embedding_mask, merge_deltas
+        from ddiloco.algorithm.merge import embedding_mask, merge_deltas
 
         spec = server.engine.fragments[0].spec
         segs = [(s, e) for _, s, e in spec.segments()]
@@ -203,7 +203,7 @@ async def test_contribution_on_a_newer_base_is_summed_with_the_missed_one_and_bo
         status = {ls.learner_id: ls for ls in server.engine.status().learners}
         assert (status["a"].merged, status["a"].superseded) == (2, 0)
         # Hand-computed: row a = da0 + da1 (200 tokens / 8 steps: weight 200*25 against b's 100*25).
-        from ddiloco.synchronizer.merge import embedding_mask, merge_deltas
+        from ddiloco.algorithm.merge import embedding_mask, merge_deltas
 
         spec = server.engine.fragments[0].spec
         segs = [(s, e) for _, s, e in spec.segments()]
@@ -262,7 +262,7 @@ async def test_slow_receiver_only_gets_newest_version_and_does_not_slow_others(t
     first = box.pop_nowait()
     assert isinstance(first, GlobalTransfer) and (first.fragment, first.version) == (0, 5)
     # control queue is bounded: oldest results dropped beyond the bound
-    from ddiloco.fragments.wire import ContributionResult, Resync
+    from ddiloco.protocol.wire import ContributionResult, Resync
 
     box.put_control(Resync(fragment_ids=(0,)))
     for i in range(40):
@@ -272,7 +272,7 @@ async def test_slow_receiver_only_gets_newest_version_and_does_not_slow_others(t
 
 
 async def test_status_reports_learners_fragments_and_rejections(tmp_path):
-    from ddiloco.synchronizer.status_cli import render
+    from ddiloco.protocol.status import render
 
     cfg = sync_config(tmp_path)
     async with running_server(cfg) as server:

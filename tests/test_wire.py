@@ -1,5 +1,5 @@
 """The wire module: every dataclass survives protobuf, unknown enums are refused, and nothing but
-``ddiloco.fragments.wire`` touches the generated code (STYLE.md practice 5).
+``ddiloco.protocol.wire`` touches the generated code (STYLE.md practice 5).
 
 Round trips go through serialized bytes (``SerializeToString`` / ``FromString``), exactly what
 travels on a gRPC stream.
@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.fragments import wire
 from ddiloco.fragments.chunking import PAYLOAD_KINDS, Chunk, TransferHeader
 from ddiloco.fragments.codec import CODEC_NAMES
 from ddiloco.fragments.errors import CodecError, HeaderError
 from ddiloco.fragments.partition import TensorSpec
+from ddiloco.protocol import wire
 
 pb = wire.pb  # tests reach the generated messages through wire, like everything else
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -193,18 +193,15 @@ def test_empty_messages_raise() -> None:
 # Only wire.py imports the generated code
 # ---------------------------------------------------------------------------------------------
 
-PACKAGES = {"libs/ddiloco": "ddiloco", "libs/fragments": "ddiloco.fragments", "libs/simulator": "ddiloco.simulator",
-            "services/synchronizer": "ddiloco.synchronizer", "services/learner": "ddiloco.learner"}
 GENERATED = "ddiloco.v1"
-ALLOWED = {ROOT / "libs/fragments/wire.py"}
+WIRE = ROOT / "libs/protocol/ddiloco/protocol/wire.py"
+ALLOWED = {WIRE}
 
 
 def _package_of(path: pathlib.Path) -> str:
-    rel = path.parent.relative_to(ROOT).as_posix()
-    for prefix, package in sorted(PACKAGES.items(), key=lambda kv: -len(kv[0])):
-        if rel == prefix or rel.startswith(prefix + "/"):
-            return package + rel[len(prefix):].replace("/", ".")
-    return rel.replace("/", ".")
+    """The package a source file belongs to: its folders from the ``ddiloco`` namespace down."""
+    parts = path.parent.relative_to(ROOT).parts
+    return ".".join(parts[parts.index("ddiloco"):])
 
 
 def _generated_imports(path: pathlib.Path, source: str | None = None) -> list[str]:
@@ -231,25 +228,25 @@ def _generated_imports(path: pathlib.Path, source: str | None = None) -> list[st
 
 
 def _sources() -> list[pathlib.Path]:
-    generated_dir = ROOT / "libs/ddiloco/v1"
-    return [p for top in ("libs", "services") for p in sorted((ROOT / top).rglob("*.py"))
-            if generated_dir not in p.parents]
+    generated_dir = ROOT / "libs/protocol/ddiloco/v1"
+    return [p for top in ("libs", "services", "lab") for p in sorted((ROOT / top).rglob("*.py"))
+            if generated_dir not in p.parents and "ddiloco" in p.parts and "build" not in p.parts]
 
 
 def test_only_wire_imports_the_generated_code() -> None:
     sources = _sources()
-    assert ROOT / "libs/fragments/wire.py" in sources and len(sources) > 10
+    assert WIRE in sources and len(sources) > 10
     offenders = [hit for path in sources if path not in ALLOWED for hit in _generated_imports(path)]
-    assert not offenders, "only ddiloco.fragments.wire may import ddiloco.v1; use its dataclasses:\n" + "\n".join(offenders)
+    assert not offenders, "only ddiloco.protocol.wire may import ddiloco.v1; use its dataclasses:\n" + "\n".join(offenders)
 
 
 def test_the_import_scanner_sees_every_form() -> None:
     """The guard above has teeth: the scanner finds wire.py's own imports and the sneaky forms."""
-    assert len(_generated_imports(ROOT / "libs/fragments/wire.py")) >= 2
-    probe = ROOT / "libs/ddiloco/benchmarks/probe.py"  # parsed as if it lived there; never written
+    assert len(_generated_imports(WIRE)) >= 2
+    probe = ROOT / "lab/ddiloco/lab/probe.py"  # parsed as if it lived there; never written
     forms = ["import ddiloco.v1.synchronizer_pb2", "from ddiloco.v1 import synchronizer_pb2",
              "from ddiloco import v1", "from ..v1 import synchronizer_pb2", "from .. import v1",
              "importlib.import_module('ddiloco.v1.synchronizer_pb2')"]
     for form in forms:
         assert _generated_imports(probe, form), form
-    assert not _generated_imports(probe, "from ddiloco.fragments import wire\nimport ddiloco.v1x\nfrom . import v1")
+    assert not _generated_imports(probe, "from ddiloco.protocol import wire\nimport ddiloco.v1x\nfrom . import v1")

@@ -1,0 +1,221 @@
+"""Fault plans and the driver that injects them into a local run.
+
+A ``FaultPlan`` is a list of timed events (seconds after every learner has started training):
+
+- ``kill``: SIGKILL a learner; with ``restart_after_s`` it is started again (same id, or a new one
+  with ``new_id``) and runs the steps it had left;
+- ``stop``: SIGSTOP a learner for ``duration_s`` then SIGCONT (a straggler / frozen host);
+- ``kill_synchronizer``: SIGKILL the synchronizer, restart it after ``restart_after_s`` on the same
+  state dir and port (learners reconnect by themselves);
+- ``net``: a network fault on one learner's link, through its ``FaultProxy``: ``latency`` (value =
+  seconds), ``bandwidth`` (value = bytes/s), ``stall``, ``blackhole`` (both for ``duration_s``),
+  ``reset`` (drop every connection);
+- ``scale_up``: start an extra learner; ``drain``: SIGTERM a learner (it finishes its step and leaves).
+
+Plans come from a YAML/JSON file (``events: [{at_s, kind, target, ...}]``), from a shorthand
+``random:mtbf=30s,seed=7[,duration=300s][,kinds=kill+stop+net+sync]`` (exponential gaps with the
+given mean, targets and kinds drawn from the seed, at least one synchronizer kill when ``sync`` is
+among the kinds), or from the builder: ``FaultPlan().kill("learner-1", at_s=30, restart_after_s=5)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddiloco.core.config import read_config_file
+
+KINDS = ("kill", "stop", "kill_synchronizer", "net", "scale_up", "drain")
+NET_FAULTS = ("latency", "bandwidth", "stall", "blackhole", "reset")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultEvent:
+    at_s: float
+    """Seconds after training started."""
+    kind: str
+    """One of KINDS."""
+    target: str = ""
+    """Learner id (kill, stop, net, drain); ignored for kill_synchronizer and scale_up."""
+    duration_s: float = 0.0
+    """stop, stall, blackhole, latency, bandwidth: how long the fault lasts."""
+    restart_after_s: float | None = None
+    """kill, kill_synchronizer: restart after this delay (None: stays down; the synchronizer is
+    always restarted, after 1 s if not given)."""
+    new_id: bool = False
+    """kill: restart under a new learner id instead of the same one."""
+    net: str = ""
+    """net: one of NET_FAULTS."""
+    value: float = 0.0
+    """net latency: seconds; net bandwidth: bytes per second."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; known: {', '.join(KINDS)}")
+        if self.at_s < 0 or self.duration_s < 0 or (self.restart_after_s is not None and self.restart_after_s < 0):
+            raise ValueError("fault times must be >= 0")
+        if self.kind in ("kill", "stop", "drain", "net") and not self.target:
+            raise ValueError(f"a {self.kind} fault needs a target learner id")
+        if self.kind == "net" and self.net not in NET_FAULTS:
+            raise ValueError(f"net fault must be one of {', '.join(NET_FAULTS)}, got {self.net!r}")
+
+
+@dataclass
+class FaultPlan:
+    events: list[FaultEvent] = field(default_factory=list)
+
+    # -- builder --------------------------------------------------------------------------
+
+    def kill(self, target: str, *, at_s: float, restart_after_s: float | None = 2.0, new_id: bool = False) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, kind="kill", target=target, restart_after_s=restart_after_s,
+                                      new_id=new_id))
+        return self
+
+    def stop(self, target: str, *, at_s: float, duration_s: float) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, kind="stop", target=target, duration_s=duration_s))
+        return self
+
+    def kill_synchronizer(self, *, at_s: float, restart_after_s: float = 1.0) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, kind="kill_synchronizer", restart_after_s=restart_after_s))
+        return self
+
+    def net(self, target: str, fault: str, *, at_s: float, duration_s: float = 0.0, value: float = 0.0) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, kind="net", target=target, net=fault, duration_s=duration_s,
+                                      value=value))
+        return self
+
+    def scale_up(self, *, at_s: float) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, kind="scale_up"))
+        return self
+
+    def drain(self, target: str, *, at_s: float) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, kind="drain", target=target))
+        return self
+
+    @property
+    def needs_proxy(self) -> bool:
+        return any(e.kind == "net" for e in self.events)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"events": [dataclasses.asdict(e) for e in sorted(self.events, key=lambda e: e.at_s)]}
+
+    # -- parsing --------------------------------------------------------------------------
+
+    @classmethod
+    def parse(cls, spec: str, *, learners: list[str], duration_s: float) -> FaultPlan:
+        """A plan from a file path or a ``random:`` shorthand."""
+        if spec.startswith("random"):
+            return cls.random_plan(spec, learners=learners, duration_s=duration_s)
+        data = read_config_file(spec)
+        events = data.get("events")
+        if not isinstance(events, list):
+            raise ValueError(f"fault plan {spec} needs a list 'events'")
+        known = {f.name for f in dataclasses.fields(FaultEvent)}
+        out = []
+        for i, e in enumerate(events):
+            if not isinstance(e, dict):
+                raise ValueError(f"fault plan {spec}: event {i} is not a mapping")
+            unknown = sorted(set(e) - known)
+            if unknown:
+                raise ValueError(f"fault plan {spec}: event {i} has unknown keys {unknown}; known: {sorted(known)}")
+            out.append(FaultEvent(**e))
+        return cls(out)
+
+    @classmethod
+    def random_plan(cls, spec: str, *, learners: list[str], duration_s: float) -> FaultPlan:
+        opts = dict(kv.split("=", 1) for kv in spec.partition(":")[2].split(",") if "=" in kv)
+        unknown = sorted(set(opts) - {"mtbf", "seed", "duration", "kinds"})
+        if unknown:
+            raise ValueError(f"unknown random plan option(s) {unknown}; known: mtbf, seed, duration, kinds")
+        mtbf = parse_seconds(opts.get("mtbf", "30s"))
+        horizon = parse_seconds(opts["duration"]) if "duration" in opts else duration_s
+        kinds = opts.get("kinds", "kill+stop+net+sync").split("+")
+        bad = sorted(set(kinds) - {"kill", "stop", "net", "sync"})
+        if bad or mtbf <= 0:
+            raise ValueError(f"random plan: mtbf must be > 0 and kinds from kill, stop, net, sync (got {bad})")
+        rng = random.Random(int(opts.get("seed", "0")))
+        plan = cls()
+        t = rng.expovariate(1 / mtbf)
+        while t < horizon * 0.8:
+            kind = rng.choice(kinds)
+            target = rng.choice(learners)
+            if kind == "kill":
+                plan.kill(target, at_s=t, restart_after_s=rng.uniform(2, 8))
+            elif kind == "stop":
+                plan.stop(target, at_s=t, duration_s=rng.uniform(2, 10))
+            elif kind == "net":
+                fault = rng.choice(NET_FAULTS)
+                plan.net(target, fault, at_s=t, duration_s=rng.uniform(2, 10),
+                         value={"latency": 0.05, "bandwidth": 2e6}.get(fault, 0.0))
+            else:
+                plan.kill_synchronizer(at_s=t, restart_after_s=rng.uniform(1, 4))
+            t += rng.expovariate(1 / mtbf)
+        if "sync" in kinds and not any(e.kind == "kill_synchronizer" for e in plan.events):
+            plan.kill_synchronizer(at_s=horizon * rng.uniform(0.3, 0.6), restart_after_s=2.0)
+        plan.events.sort(key=lambda e: e.at_s)
+        return plan
+
+
+def parse_seconds(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m|h)?\s*", text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (e.g. 30s, 2m, 500ms)")
+    return float(m.group(1)) * {"ms": 1e-3, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+
+
+class ChaosDriver:
+    """Runs a plan against a live run on its own thread; records what it did, when."""
+
+    def __init__(self, plan: FaultPlan, actions: dict[str, Callable[[FaultEvent], None]],
+                 log: Callable[[dict[str, Any]], None]) -> None:
+        self.plan = plan
+        self.actions = actions
+        self.log = log
+        self.injected: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="chaos", daemon=True)
+        self._timers: list[threading.Timer] = []
+
+    def start(self) -> None:
+        self.started = time.time()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for timer in self._timers:
+            timer.cancel()
+        self._thread.join(timeout=5)
+
+    def later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` after ``delay_s`` unless the driver stopped (recoveries)."""
+        timer = threading.Timer(delay_s, lambda: None if self._stop.is_set() else fn())
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
+
+    def _main(self) -> None:
+        for event in sorted(self.plan.events, key=lambda e: e.at_s):
+            wait = self.started + event.at_s - time.time()
+            if wait > 0 and self._stop.wait(wait):
+                return
+            record = {"event": "fault", "t": time.time(), **dataclasses.asdict(event)}
+            try:
+                self.actions[event.kind](event)
+                record["ok"] = True
+            except Exception as exc:  # a fault that cannot be injected is recorded, not fatal
+                record["ok"] = False
+                record["error"] = str(exc)
+            self.injected.append(record)
+            self.log(record)
+
+
+def write_plan(plan: FaultPlan, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(plan.to_dict(), f, indent=1)

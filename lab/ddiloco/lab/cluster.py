@@ -1,0 +1,237 @@
+"""A local cluster: one synchronizer and N learner processes on loopback, and the faults on them.
+
+``ddiloco run`` and the chaos tests drive this class. Processes are started with the same
+commands a deployment uses and stopped by pid. With chaos on, the synchronizer listens on a fixed
+port (so a restart on the same state dir is found again by the learners) and every learner talks
+to it through its own ``FaultProxy``, so the network of one learner can be broken alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "ddiloco.core.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    def __init__(self, out: pathlib.Path, cfg_path: pathlib.Path, *, learners: int, steps: int,
+                 plan: FaultPlan | None = None) -> None:
+        self.out, self.cfg_path = out, cfg_path
+        self.n, self.steps = learners, steps
+        self.plan = plan
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.index: dict[str, int] = {}
+        self.proxies: dict[str, Any] = {}
+        self.threads = max(1, (os.cpu_count() or 1) // learners)
+        self.port = 0
+        self.pending_restarts = 0
+        self.lock = threading.Lock()
+        self.driver: ChaosDriver | None = None
+        (out / "learners").mkdir(parents=True, exist_ok=True)
+        (out / "logs").mkdir(exist_ok=True)
+
+    # -- processes ------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, DDILOCO_LOG_JSON="1", PYTHONUNBUFFERED="1")
+        with open(self.out / "logs" / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        self.procs[name] = proc
+        return proc
+
+    def start_synchronizer(self) -> None:
+        ready = self.out / "synchronizer.ready.json"
+        ready.unlink(missing_ok=True)
+        if self.plan is not None and not self.port:
+            self.port = free_port()
+        listen = f"127.0.0.1:{self.port}"
+        proc = self._spawn("synchronizer", [
+            *_cli(), "synchronizer", "--listen", listen, "--state-dir", str(self.out / "state"),
+            "--config", str(self.cfg_path), "--merge-log", str(self.out / "merges.jsonl"), "--ready-file", str(ready)])
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"synchronizer exited with code {proc.returncode} before serving")
+            if time.monotonic() > deadline:
+                raise RuntimeError("synchronizer did not start serving in time")
+            time.sleep(0.05)
+        self.port = json.loads(ready.read_text())["port"]
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def learner_target(self, lid: str) -> str:
+        if self.plan is None:
+            return self.target
+        from ddiloco.lab.fault_proxy import FaultProxy
+
+        proxy = self.proxies.get(lid)
+        if proxy is None:
+            proxy = self.proxies[lid] = FaultProxy("127.0.0.1", self.port)
+            proxy.start()
+        return f"127.0.0.1:{proxy.port}"
+
+    def start_learner(self, lid: str, steps: int | None = None) -> None:
+        i = self.index.setdefault(lid, len(self.index))
+        shards = max(self.n, len(self.index))
+        self._spawn(lid, [*_cli(), "learner", "--synchronizer", self.learner_target(lid), "--learner-id", lid,
+                          "--config", str(self.cfg_path), "--shard", str(i % shards), "--num-shards", str(shards),
+                          "--threads", str(self.threads), "--steps", str(steps or self.steps),
+                          "--metrics-file", str(self.out / "learners" / f"{lid}.jsonl")])
+
+    def learners(self) -> list[str]:
+        return [name for name in self.procs if name != "synchronizer"]
+
+    def alive_learners(self) -> list[str]:
+        return [lid for lid in self.learners() if self.procs[lid].poll() is None]
+
+    def steps_done(self, lid: str) -> int:
+        """Steps ``lid`` completed over all its incarnations (from its event log)."""
+        from ddiloco.lab.goodput import load_jsonl
+
+        path = self.out / "learners" / f"{lid}.jsonl"
+        if not path.exists():
+            return 0
+        last: dict[int, int] = {}
+        for e in load_jsonl(path):
+            if e["event"] == "step":
+                last[e["incarnation"]] = e["step"]
+        return sum(last.values())
+
+    def finished(self) -> bool:
+        with self.lock:
+            return not self.alive_learners() and self.pending_restarts == 0
+
+    def stop_all(self, timeout_s: float = 20.0) -> None:
+        if self.driver is not None:
+            self.driver.stop()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for proxy in self.proxies.values():
+            proxy.stop()
+
+    # -- faults ---------------------------------------------------------------------------
+
+    def start_chaos(self) -> None:
+        assert self.plan is not None
+        log_path = self.out / "faults.jsonl"
+
+        def log(record: dict[str, Any]) -> None:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+        self.driver = ChaosDriver(self.plan, {
+            "kill": self._kill, "stop": self._stop, "kill_synchronizer": self._kill_synchronizer,
+            "net": self._net, "scale_up": self._scale_up, "drain": self._drain}, log)
+        self.driver.start()
+
+    def _proc(self, lid: str) -> subprocess.Popen[bytes]:
+        proc = self.procs.get(lid)
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"{lid} is not running")
+        return proc
+
+    def _restart_later(self, delay_s: float, fn: Any) -> None:
+        assert self.driver is not None
+        with self.lock:
+            self.pending_restarts += 1
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self.lock:
+                    self.pending_restarts -= 1
+
+        self.driver.later(delay_s, run)
+
+    def _kill(self, e: FaultEvent) -> None:
+        proc = self._proc(e.target)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if e.restart_after_s is None:
+            return
+        remaining = self.steps - self.steps_done(e.target)
+        if remaining <= 0:
+            return
+        new = f"learner-{len(self.index)}" if e.new_id else e.target
+        self._restart_later(e.restart_after_s, lambda: self.start_learner(new, remaining))
+
+    def _stop(self, e: FaultEvent) -> None:
+        proc = self._proc(e.target)
+        proc.send_signal(signal.SIGSTOP)
+        assert self.driver is not None
+        self.driver.later(e.duration_s, lambda: proc.poll() is None and proc.send_signal(signal.SIGCONT))
+
+    def _kill_synchronizer(self, e: FaultEvent) -> None:
+        proc = self._proc("synchronizer")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with open(self.out / "merges.jsonl", "a") as f:
+            # no leading newline: a line the killed process left half-written is recovered by the reader
+            f.write(json.dumps({"event": "sync_stop", "t": time.time()}) + "\n")
+        self._restart_later(e.restart_after_s if e.restart_after_s is not None else 1.0, self.start_synchronizer)
+
+    def _net(self, e: FaultEvent) -> None:
+        proxy = self.proxies[e.target]
+        if e.net == "reset":
+            proxy.reset()
+            return
+        if e.net == "latency":
+            proxy.set_latency(e.value)
+        elif e.net == "bandwidth":
+            proxy.set_bandwidth(e.value)
+        elif e.net == "stall":
+            proxy.stall(e.duration_s)
+            return
+        elif e.net == "blackhole":
+            proxy.blackhole(True)
+            assert self.driver is not None
+
+            def heal() -> None:
+                # Bytes dropped in the hole leave those connections unusable; once the hole closes,
+                # cut them so both ends notice now rather than at the next keepalive timeout.
+                proxy.clear()
+                proxy.reset()
+
+            self.driver.later(e.duration_s, heal)
+            return
+        assert self.driver is not None
+        self.driver.later(e.duration_s, proxy.clear)
+
+    def _scale_up(self, e: FaultEvent) -> None:
+        self.start_learner(f"learner-{len(self.index)}")
+
+    def _drain(self, e: FaultEvent) -> None:
+        self._proc(e.target).send_signal(signal.SIGTERM)

@@ -1,0 +1,467 @@
+"""``ddiloco run``: the whole system on one machine, as real processes on loopback.
+
+One synchronizer process and N learner processes, started with the same commands a deployment
+uses, share one resolved config file in the run folder. The orchestrator only watches: it tails
+the learners' event logs for the progress bar, asks the synchronizer for its status, and at the
+end fetches the global model over gRPC to evaluate it. ``--mode dp`` is the data-parallel
+reference instead: one process training one model on the combined batch for the same number of
+steps (the same tokens).
+
+The run folder holds ``config.yaml``, ``summary.json``, ``merges.jsonl`` (synchronizer),
+``learners/*.jsonl`` (one per learner), process logs, the synchronizer's state dir, and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import json
+import pathlib
+import signal
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from ddiloco.core.config import read_config_file
+from ddiloco.lab.chaos import FaultPlan
+
+MODES = ("decoupled", "streaming", "diloco", "dp")
+
+DEFAULTS: dict[str, Any] = {
+    "run": {"learners": 3, "steps": 600, "mode": "decoupled", "seed": 0, "final_eval_batches": 32,
+            "global_eval_every_s": 20.0},
+    "protocol": {"num_fragments": 24, "sync_every": 24, "overlap": 2},
+    "model": {},
+    "data": {"batch_size": 16, "context": 128},
+    "train": {"eval_every": 0, "eval_batches": 8},
+    "learner": {},
+    # Quorum 0: a merge waits for every live learner's fresh contribution (learners never wait;
+    # timeout_s bounds a merge's wait, heartbeats drop a stalled learner from "live"). With quorum 1
+    # and the short adaptive grace, learners sharing a machine drift apart and about half of all
+    # contributions arrived stale: eval loss 2.020 / 2.042 against 1.859 / 1.863 (docs/design-notes.md).
+    # (decoupled only: resolve() adds timeout_s 20; streaming and diloco keep their presets')
+    "synchronizer": {"policy": {"quorum": 0, "grace_gamma": 0.8, "max_grace_s": 5.0}},
+}
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, then the config file, then flags."""
+    doc = _merge(DEFAULTS, read_config_file(args.config))
+    run = doc["run"]
+    for key in ("learners", "steps", "mode", "seed"):
+        value = getattr(args, key)
+        if value is not None:
+            run[key] = value
+    if run["mode"] not in MODES:
+        raise ValueError(f"--mode must be one of {MODES}, got {run['mode']!r}")
+    if int(run["learners"]) < 1 or int(run["steps"]) < 1:
+        raise ValueError("--learners and --steps must be >= 1")
+    every = run.get("global_eval_every_s", 0)
+    if not isinstance(every, int | float) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"run.global_eval_every_s must be a number >= 0 (0: off), got {every!r}")
+    doc["train"]["steps"] = int(run["steps"])
+    doc["train"]["seed"] = int(run["seed"])
+    doc["data"]["seed"] = int(run["seed"])
+    doc["protocol"]["mode"] = "decoupled" if run["mode"] == "dp" else run["mode"]
+    if run["mode"] == "decoupled":
+        policy = doc["synchronizer"].setdefault("policy", {})
+        if isinstance(policy, dict):
+            policy.setdefault("timeout_s", 20.0)
+    return doc
+
+
+def _validate(doc: dict[str, Any]) -> None:
+    """Build every component config once so a bad file fails before any process starts."""
+    from ddiloco.core.config import build
+    from ddiloco.learner.config import load_learner_config
+    from ddiloco.synchronizer.config import SynchronizerConfig
+
+    tmp = pathlib.Path(doc["_path"])
+    load_learner_config(str(tmp), synchronizer="127.0.0.1:1", learner_id="learner-0")
+    section = dict(doc.get("synchronizer") or {})
+    section.setdefault("protocol", doc["protocol"])
+    build(SynchronizerConfig, section, "synchronizer")
+
+
+class Tail:
+    """Incrementally reads complete lines of a growing JSON Lines file."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+        return out
+
+
+class GlobalModelEval:
+    """Evaluates the synchronizer's current global model on the held-out split.
+
+    The model, layout and eval batches are built once; each call fetches the state over gRPC
+    (FetchState, as a joining learner does) and runs the forward passes on the CPU.
+    """
+
+    def __init__(self, target: str, doc_path: pathlib.Path, eval_batches: int) -> None:
+        from ddiloco.fragments.partition import partition_tensors
+        from ddiloco.learner.config import load_learner_config
+        from ddiloco.learner.data import eval_batches as make_eval_batches
+        from ddiloco.learner.data import load_corpus
+        from ddiloco.learner.model import build_model
+
+        self.target = target
+        self.cfg = cfg = load_learner_config(str(doc_path), synchronizer=target, learner_id="evaluator")
+        self.model = build_model(cfg.model, cfg.train.seed)
+        self.params = dict(self.model.named_parameters())
+        self.layout = partition_tensors(list(self.params.items()), cfg.protocol.num_fragments)
+        corpus = load_corpus(cfg.data)
+        self.batches = make_eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, eval_batches)
+
+    def __call__(self, timeout_s: float = 60.0) -> tuple[float, dict[int, int]]:
+        """(eval loss, fragment -> version evaluated)."""
+        import torch
+
+        from ddiloco.fragments.outer_gradient import scatter
+        from ddiloco.fragments.payload import decode_fragment
+        from ddiloco.learner.inner_loop import evaluate
+        from ddiloco.protocol.client import SyncStream, open_channel
+
+        limit = self.cfg.protocol.max_chunk_bytes
+
+        async def fetch() -> list[Any]:
+            channel = open_channel(self.target, max_message_bytes=limit + (1 << 20))
+            try:
+                return await asyncio.wait_for(SyncStream(channel, max_chunk_bytes=limit).fetch_state("evaluator"),
+                                              timeout_s)
+            finally:
+                await channel.close()
+
+        versions = {}
+        for transfer in asyncio.run(fetch()):
+            scatter(self.layout[transfer.header.fragment_id], decode_fragment(transfer, self.layout), self.params)
+            versions[transfer.header.fragment_id] = transfer.header.version
+        return evaluate(self.model, self.batches, torch.device("cpu")), versions
+
+
+def evaluate_global(target: str, doc_path: pathlib.Path, eval_batches: int) -> float:
+    """Fetch the global model over gRPC and evaluate it on the held-out split."""
+    return GlobalModelEval(target, doc_path, eval_batches)()[0]
+
+
+class PeriodicGlobalEval:
+    """Evaluates the global model every ``every_s`` seconds on its own thread while a run trains,
+    appending ``{"t", "tokens", "loss", "min_version"}`` lines to ``global_eval.jsonl``: the loss
+    curve of the model the fleet builds, measured outside the learners (as an evaluation job
+    beside a deployment would), so no learner spends training time on it. A fetch that fails
+    (the synchronizer restarting under chaos) is skipped: that point is missing from the curve."""
+
+    def __init__(self, target: str, doc_path: pathlib.Path, out: pathlib.Path, every_s: float,
+                 eval_batches: int, tokens: Any) -> None:
+        import threading
+
+        self.target, self.doc_path, self.every_s, self.eval_batches = target, doc_path, every_s, eval_batches
+        self.path = out / "global_eval.jsonl"
+        self.tokens = tokens
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="global-eval", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=120)
+
+    def _loop(self) -> None:
+        evaluator = None
+        while not self.stopping.wait(self.every_s):
+            try:
+                evaluator = evaluator or GlobalModelEval(self.target, self.doc_path, self.eval_batches)
+                tokens = int(self.tokens())
+                loss, versions = evaluator(timeout_s=max(5.0, self.every_s))
+            except Exception:  # the synchronizer may be down (chaos) or not ready yet
+                continue
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"t": time.time(), "tokens": tokens, "loss": loss,
+                                    "min_version": min(versions.values(), default=0)}) + "\n")
+
+
+def global_eval_curve(out: pathlib.Path) -> list[tuple[float, float]]:
+    """(tokens, loss) points of ``global_eval.jsonl`` (empty when the run wrote none)."""
+    path = out / "global_eval.jsonl"
+    if not path.exists():
+        return []
+    return [(float(e["tokens"]), float(e["loss"])) for e in Tail(path).read()]
+
+
+def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
+                    plan: FaultPlan | None = None) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from ddiloco.lab.cluster import LocalCluster
+
+    run = doc["run"]
+    n, steps = int(run["learners"]), int(run["steps"])
+    cfg_path = out / "config.yaml"
+    cluster = LocalCluster(out, cfg_path, learners=n, steps=steps, plan=plan)
+    periodic: PeriodicGlobalEval | None = None
+    started = time.time()
+    try:
+        cluster.start_synchronizer()
+        for i in range(n):
+            cluster.start_learner(f"learner-{i}")
+        joined: set[str] = set()
+        chaos_started_t: float | None = None
+        tails: dict[str, Tail] = {}
+        merges_tail = Tail(out / "merges.jsonl")
+        bar = tqdm(total=n * steps, unit="step", disable=not show_progress, dynamic_ncols=True,
+                   desc=f"{run['mode']} x{n}" + (" chaos" if plan else ""))
+        done: dict[tuple[str, int], int] = {}
+        last_loss: dict[str, float] = {}
+        merges = 0
+        batch_tokens = int(doc["data"]["batch_size"]) * int(doc["data"]["context"])
+        trained = [0]  # tokens so far, for the evaluator thread
+        every_s = float(run.get("global_eval_every_s", 0) or 0)
+        if every_s > 0:
+            periodic = PeriodicGlobalEval(cluster.target, cfg_path, out, every_s, int(doc["train"]["eval_batches"]),
+                                          lambda: trained[0])
+            periodic.start()
+        while True:
+            for lid in cluster.learners():
+                tail = tails.setdefault(lid, Tail(out / "learners" / f"{lid}.jsonl"))
+                for e in tail.read():
+                    if e["event"] == "start":
+                        joined.add(lid)
+                    if e["event"] == "step":
+                        done[(lid, e["incarnation"])] = e["step"]
+                        last_loss[lid] = e["loss"]
+            merges += sum(1 for e in merges_tail.read() if e.get("event") == "merge")
+            alive = cluster.alive_learners()
+            bar.n = min(bar.total, sum(done.values()))
+            loss = sum(last_loss.values()) / len(last_loss) if last_loss else float("nan")
+            tokens = trained[0] = sum(done.values()) * batch_tokens
+            bar.set_postfix(tokens=f"{tokens / 1e6:.2f}M", loss=f"{loss:.3f}", merges=merges, live=len(alive),
+                            refresh=False)
+            bar.refresh()
+            if plan is not None and chaos_started_t is None and len(joined) >= n:
+                cluster.start_chaos()  # fault times count from the moment every learner trains
+                chaos_started_t = time.time()
+            if cluster.finished():
+                break
+            sync = cluster.procs["synchronizer"]
+            if plan is None and sync.poll() is not None:
+                raise RuntimeError(f"synchronizer exited with code {sync.returncode} during the run")
+            time.sleep(0.5)
+        bar.close()
+        if periodic is not None:
+            periodic.stop()
+        if cluster.driver is not None:
+            cluster.driver.stop()
+        failed = {lid: cluster.procs[lid].returncode for lid in cluster.learners()
+                  if cluster.procs[lid].returncode not in (0, -signal.SIGKILL)}
+        final = evaluate_global(cluster.target, cfg_path, int(run["final_eval_batches"]))
+        status = _status(cluster.target)
+        faults = cluster.driver.injected if cluster.driver is not None else []
+    finally:
+        if periodic is not None:
+            periodic.stop()
+        cluster.stop_all()
+    wall = time.time() - started
+    return {"final_eval_loss": final, "wall_s": wall, "failed_learners": failed, "status": status,
+            "faults_injected": faults, "chaos_started_t": chaos_started_t}
+
+
+def _status(target: str) -> dict[str, Any]:
+    from ddiloco.core.config import to_dict
+    from ddiloco.protocol.status import fetch_status
+
+    return to_dict(fetch_status(target))
+
+
+def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
+    from ddiloco.lab.goodput import fleet_summary, load_jsonl
+    from ddiloco.lab.invariants import check as check_invariants
+    from ddiloco.learner.data import load_corpus, unigram_entropy
+
+    run = doc["run"]
+    logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
+    merge_log = load_jsonl(out / "merges.jsonl") if (out / "merges.jsonl").exists() else []
+    fleet = fleet_summary(logs, merge_log)
+    # over every incarnation: a restarted learner counts its steps from 1 again
+    tokens = int(fleet.get("tokens") or 0)
+    steps = int(fleet.get("steps") or 0)
+    from ddiloco.learner.config import load_learner_config
+
+    data_cfg = load_learner_config(str(out / "config.yaml"), learner_id="x").data
+    status = result.get("status") or {}
+    return {
+        "mode": run["mode"],
+        "learners": int(run["learners"]),
+        "steps": steps,
+        "steps_per_learner": int(run["steps"]),
+        "tokens": tokens,
+        "merges": sum(1 for e in merge_log if e.get("event") == "merge"),
+        "final_eval_loss": result["final_eval_loss"],
+        "unigram_baseline_loss": unigram_entropy(load_corpus(data_cfg).eval),
+        "global_eval": [[t, loss] for t, loss in global_eval_curve(out)],
+        "learner_goodput": fleet.get("learner_goodput"),
+        "global_downtime_s": fleet.get("global_downtime_s"),
+        "max_merge_gap_s": fleet.get("max_merge_gap_s"),
+        "restart_to_first_merge_s": fleet.get("restart_to_first_merge_s", []),
+        "rejected_contributions": sum((status.get("rejected_by_reason") or {}).values()),
+        "rejected_by_reason": status.get("rejected_by_reason") or {},
+        "blocked_share": fleet.get("blocked_share"),
+        "compute_share": fleet.get("compute_share"),
+        "contributions": fleet.get("contributions"),
+        "faults_injected": result.get("faults_injected", []),
+        "invariants": check_invariants(logs, merge_log, fleet, result["chaos_started_t"])
+        if result.get("chaos_started_t") else None,
+        "failed_learners": result.get("failed_learners", {}),
+        "wall_s": result["wall_s"],
+        "seed": int(run["seed"]),
+        "per_learner": fleet.get("per_learner"),
+    }
+
+
+BASELINE_KEYS = ("mode", "learners", "steps_per_learner", "seed")
+"""What a no-fault baseline must share with the run it is compared with."""
+
+
+def load_baseline(run_dir: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """An earlier run's summary, checked to be comparable with the run ``doc`` describes."""
+    path = pathlib.Path(run_dir)
+    path = path if path.name == "summary.json" else path / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--baseline: cannot read {path}: {exc}") from exc
+    if not isinstance(summary, dict) or "final_eval_loss" not in summary:
+        raise ValueError(f"--baseline: {path} is not a ddiloco run summary")
+    run = doc["run"]
+    wanted = {"mode": run["mode"], "learners": int(run["learners"]), "steps_per_learner": int(run["steps"]),
+              "seed": int(run["seed"])}
+    differ = {k: (summary.get(k), v) for k, v in wanted.items() if summary.get(k) != v}
+    if differ:
+        detail = ", ".join(f"{k} {a!r} (this run: {b!r})" for k, (a, b) in differ.items())
+        raise ValueError(f"--baseline: {path} is not comparable: {detail}")
+    if summary.get("faults_injected"):
+        raise ValueError(f"--baseline: {path} had faults injected; a baseline must be a no-fault run")
+    return {"run": str(path.parent), **summary}
+
+
+def add_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> None:
+    """Put a no-fault run's final eval loss (and goodput) beside this run's, with the relative gap."""
+    base_loss = float(baseline["final_eval_loss"])
+    gap = float(summary["final_eval_loss"]) / base_loss - 1.0
+    summary["baseline"] = {"run": baseline["run"], "final_eval_loss": base_loss,
+                           "learner_goodput": baseline.get("learner_goodput"), "wall_s": baseline.get("wall_s")}
+    summary["eval_loss_vs_baseline"] = gap
+    if summary.get("invariants") is not None:
+        summary["invariants"]["eval_loss_vs_no_fault"] = gap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--learners", type=int, help="learner processes (default 3)")
+    parser.add_argument("--steps", type=int, help="inner steps per learner (default 600)")
+    parser.add_argument("--mode", choices=MODES, help="decoupled (default), streaming, diloco, or dp (reference)")
+    parser.add_argument("--chaos", help="fault plan: a YAML/JSON file or a shorthand like random:mtbf=30s")
+    parser.add_argument("--out", help="run folder (default runs/<time>-<mode>)")
+    parser.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")
+    parser.add_argument("--config", help="YAML/JSON config with sections run, protocol, model, data, train, "
+                                         "learner, synchronizer")
+    parser.add_argument("--baseline", metavar="auto|RUN_DIR",
+                        help="report the final eval loss beside a no-fault run with the same settings: 'auto' "
+                             "runs it after this one (in OUT/baseline), RUN_DIR reuses an earlier run's folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    from ddiloco.core.logs import configure
+
+    configure(json=True)
+    try:
+        doc = resolve(args)
+        plan = None
+        if args.chaos:
+            if doc["run"]["mode"] == "dp":
+                raise ValueError("--chaos needs a distributed mode, not dp")
+            n = int(doc["run"]["learners"])
+            plan = FaultPlan.parse(args.chaos, learners=[f"learner-{i}" for i in range(n)],
+                                   duration_s=float(doc["run"].get("chaos_horizon_s", 300.0)))
+        baseline = load_baseline(args.baseline, doc) if args.baseline not in (None, "auto") else None
+    except ValueError as exc:
+        print(f"ddiloco run: {exc}", file=sys.stderr)
+        return 2
+    mode = doc["run"]["mode"]
+    out = pathlib.Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{mode}")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump({k: v for k, v in doc.items()}, sort_keys=False))
+    try:
+        _validate({**doc, "_path": str(cfg_path)})
+    except ValueError as exc:
+        print(f"ddiloco run: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    show = not args.no_progress and sys.stderr.isatty()
+    # This process's own log lines (fault proxies, chaos driver) go to the run folder, not over the
+    # progress bar; every service process writes its own file under logs/ as well.
+    (out / "logs").mkdir(exist_ok=True)
+    run_log = open(out / "logs" / "run.log", "a", buffering=1)  # noqa: SIM115 (open for the whole run)
+    configure(json=True, file=run_log)
+    from ddiloco.lab.dp import run_dp
+
+    if mode == "dp":
+        result = run_dp(doc, out, show_progress=show)
+    else:
+        result = run_distributed(doc, out, show_progress=show, plan=plan)
+    summary = summarize(doc, out, result)
+    if args.baseline == "auto":
+        base_out = out / "baseline"
+        base_out.mkdir(exist_ok=True)
+        (base_out / "config.yaml").write_text(cfg_path.read_text())
+        print(f"ddiloco run: no-fault baseline run in {base_out}", file=sys.stderr)
+        base_result = (run_dp(doc, base_out, show_progress=show) if mode == "dp"
+                       else run_distributed(doc, base_out, show_progress=show, plan=None))
+        base_summary = summarize(doc, base_out, base_result)
+        (base_out / "summary.json").write_text(json.dumps(base_summary, indent=2))
+        baseline = {"run": str(base_out), **base_summary}
+    if baseline is not None:
+        add_baseline(summary, baseline)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        from ddiloco.lab.plots import plot_run
+
+        plot_run(out, out, global_eval=[*global_eval_curve(out), (summary["tokens"], summary["final_eval_loss"])])
+    except Exception as exc:  # plots are a convenience; the summary is the contract
+        print(f"ddiloco run: plotting failed: {exc}", file=sys.stderr)
+    print(json.dumps({k: summary[k] for k in ("mode", "learners", "steps", "tokens", "merges", "final_eval_loss",
+                                                "unigram_baseline_loss", "learner_goodput", "global_downtime_s",
+                                                "max_merge_gap_s", "rejected_contributions", "wall_s")}, indent=2))
+    print(f"run folder: {out}")
+    return 0 if not summary["failed_learners"] else 1

@@ -1,0 +1,265 @@
+"""The synchronizer at fleet scale: every fragment round of a decoupled run, decided by the real policy.
+
+Learners never block on the network in decoupled mode, so their step clocks (from each learner's
+``JobResult``: running segments, pauses) fix every contribution time in advance: learner m sends
+fragment p after each step t with ``t mod H == offset(p)``, the offsets coming from the learners'
+own ``FragmentSchedule``. This module replays those contributions, the learners' drop-outs and
+returns, and the grace wake-ups in time order, and asks ``ddiloco.algorithm.policies`` what the
+service would do: ``quorum_reached`` marks when a round reaches K, ``decide`` says merge now or wake
+at the grace deadline, ``token_weights`` weighs each merge, ``RunningAverage`` keeps the step,
+quorum and sync times that feed the grace window. Nothing here re-implements a decision.
+
+Cost is one policy call per contribution or wake-up, and M x P x (window / step) contributions in
+all: independent of the number of chips. The replay covers the last ``cfg.merge_window_s`` of the
+horizon (learners' step clocks come from the full-horizon jobs, so their phases at the window's
+start are those the failures left); the caller scales the late-merge loss to the horizon.
+
+What the merge level can lose: a learner applies the merged fragment ``tau`` steps after it sent
+its contribution (the overlap the algorithm is built on, not a loss). When the merge comes back
+later than that, because the round waited for a quorum or for stragglers, the learner's progress
+on that fragment between its apply step and the merge's arrival is overwritten on arrival (the
+paper's ``overwrite`` policy): ``1/P`` of the learner's chip-time over that window is lost. A
+learner that is down contributes nothing and is not live, so the round does not wait for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ddiloco.algorithm import policies
+from ddiloco.simulator.config import SimConfig
+from ddiloco.simulator.spmd import JobResult
+
+_CONTRIB, _DOWN, _UP = 0, 1, 2
+
+
+@dataclass
+class MergeStats:
+    merges: int = 0
+    contributions: int = 0
+    replaced: int = 0
+    """Contributions superseded by a newer one from the same learner before their round merged."""
+    decide_calls: int = 0
+    late_chip_s: float = 0.0
+    """Learner chip-time overwritten because a merge arrived after the learner's apply step."""
+    contributors_sum: int = 0
+    effective_sum: float = 0.0
+    grace_sum: float = 0.0
+    max_merge_gap_s: float = 0.0
+    window_s: float = 0.0
+    """Length of the replayed window (the end of the horizon)."""
+    reasons: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        n = max(1, self.merges)
+        return {
+            "merge_window_hours": self.window_s / 3600.0,
+            "merges_in_window": self.merges,
+            "merges_per_hour": self.merges / (self.window_s / 3600.0) if self.window_s else 0.0,
+            "contributions": self.contributions,
+            "replaced_contributions": self.replaced,
+            "decide_calls": self.decide_calls,
+            "mean_contributors_per_merge": self.contributors_sum / n,
+            "mean_effective_learners_per_merge": self.effective_sum / n,
+            "mean_grace_s": self.grace_sum / n,
+            "max_merge_gap_s": self.max_merge_gap_s,
+            "merge_reasons": dict(self.reasons),
+        }
+
+
+def _reason_kind(reason: str) -> str:
+    """Group the policy's reason strings ("all 8 live learners contributed", "quorum 3/1; grace ...")."""
+    if reason.startswith("all"):
+        return "all live learners contributed"
+    if reason.startswith("tim"):
+        return "timeout"
+    return "quorum + grace elapsed"
+
+
+def _step_events(job: JobResult) -> tuple[np.ndarray, np.ndarray]:
+    """Completion time and step number of every inner step the job finished."""
+    if not job.segments:
+        return np.zeros(0), np.zeros(0, dtype=np.int64)
+    seg = np.asarray(job.segments, dtype=float)
+    starts, ends, first = seg[:, 0], seg[:, 1], seg[:, 2].astype(np.int64)
+    n = np.floor((ends - starts) / job.step_s + 1e-9).astype(np.int64).clip(min=0)
+    idx = np.repeat(np.arange(len(n)), n)
+    within = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + 1
+    return starts[idx] + within * job.step_s, first[idx] + within
+
+
+def _contributions(job: JobResult, offsets: np.ndarray, sync_every: int):
+    """(time, fragment, step) of every contribution: fragment p after steps t with t mod H == offset(p)."""
+    times, steps = _step_events(job)
+    by_phase = np.bincount(offsets, minlength=sync_every)
+    order = np.argsort(offsets, kind="stable")
+    first_of_phase = np.cumsum(by_phase) - by_phase
+    phase = steps % sync_every
+    count = by_phase[phase]
+    rep = np.repeat(np.arange(times.size), count)
+    k = np.arange(rep.size) - np.repeat(np.cumsum(count) - count, count)
+    frags = order[first_of_phase[phase[rep]] + k]
+    return times[rep], frags, steps[rep]
+
+
+class _Uptime:
+    """Running time of one learner over an interval (bisect over its pauses)."""
+
+    def __init__(self, job: JobResult) -> None:
+        self.starts = job.pauses[:, 0].tolist()
+        self.ends = job.pauses[:, 1].tolist()
+        cum = [0.0]
+        for s, e in zip(self.starts, self.ends, strict=True):
+            cum.append(cum[-1] + e - s)
+        self.cum = cum
+
+    def _paused(self, t: float) -> float:
+        j = bisect_right(self.starts, t)
+        if j == 0:
+            return 0.0
+        return self.cum[j - 1] + min(t - self.starts[j - 1], self.ends[j - 1] - self.starts[j - 1])
+
+    def between(self, a: float, b: float) -> float:
+        return max(0.0, (b - a) - (self._paused(b) - self._paused(a)))
+
+
+def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
+    """Replay every fragment round of a decoupled run with M = len(jobs) learners over the merge window."""
+    schedule = cfg.schedule()
+    policy = cfg.policy()
+    tau, frags, horizon = schedule.overlap, schedule.num_fragments, cfg.horizon_s
+    start = horizon - cfg.merge_window_s
+    offsets = np.array([schedule.offset(p) for p in range(frags)], dtype=np.int64)
+    names = [f"learner-{m}" for m in range(len(jobs))]
+    step_of = [job.step_s for job in jobs]
+    chips_of = [job.chips for job in jobs]
+    sync_s = cfg.sync_s
+    reasons: Counter = Counter()
+    # Chip-time per second of a learner that is compute (its stragglers' wait is already charged).
+    compute_rate = [job.chips / job.slow_factor for job in jobs]
+    uptime = [_Uptime(job) for job in jobs]
+
+    cols_t, cols_k, cols_m, cols_p, cols_s = [], [], [], [], []
+    for m, job in enumerate(jobs):
+        t, p, s = _contributions(job, offsets, schedule.sync_every)
+        cols_t += [t, job.pauses[:, 0], job.pauses[:, 1]]
+        n_p = len(job.pauses)
+        cols_k += [np.full(t.size, _CONTRIB), np.full(n_p, _DOWN), np.full(n_p, _UP)]
+        cols_m += [np.full(t.size + 2 * n_p, m)]
+        cols_p += [p, np.zeros(2 * n_p, dtype=np.int64)]
+        cols_s += [s, np.zeros(2 * n_p, dtype=np.int64)]
+    ev_t, ev_k = np.concatenate(cols_t), np.concatenate(cols_k)
+    ev_m, ev_p, ev_s = np.concatenate(cols_m), np.concatenate(cols_p), np.concatenate(cols_s)
+    keep = (ev_t >= start) & (ev_t < horizon)
+    order = np.lexsort((ev_k[keep], ev_t[keep]))  # by time; at a tie: contributions, then drop-outs, then returns
+    events = zip(ev_t[keep][order].tolist(), ev_k[keep][order].tolist(), ev_m[keep][order].tolist(),
+                 ev_p[keep][order].tolist(), ev_s[keep][order].tolist(), strict=True)
+
+    stats = MergeStats(window_s=horizon - start)
+    step_avg = policies.RunningAverage(initial=float(np.mean(step_of)))
+    quorum_avg = policies.RunningAverage()
+    sync_avg = policies.RunningAverage()
+    timings = policies.Timings(step_time_s=step_avg.get(), quorum_time_s=0.0, sync_time_s=0.0)
+    opened: list[float | None] = [None] * frags
+    quorum_at: list[float | None] = [None] * frags
+    inbox: list[dict[str, tuple[float, int, int]]] = [{} for _ in range(frags)]
+    round_id = [0] * frags
+    # Step of each learner's last merged contribution per fragment (None: none yet in the window,
+    # counted as one nominal H-step period for the token weights).
+    last_merged_step: list[list[int | None]] = [[None] * frags for _ in jobs]
+    period = schedule.sync_every
+    live = {names[m] for m, job in enumerate(jobs) if not job.is_paused(start)}
+    live_view = frozenset(live)
+    wakes: list[tuple[float, int, int, int]] = []
+    wake_seq = 0
+    last_merge_at = start
+
+    def refresh_timings() -> None:
+        nonlocal timings
+        now_t = (step_avg.get(), quorum_avg.get(), sync_avg.get())
+        if now_t != (timings.step_time_s, timings.quorum_time_s, timings.sync_time_s):
+            timings = policies.Timings(*now_t)
+
+    def evaluate(p: int, now: float) -> None:
+        nonlocal wake_seq, last_merge_at
+        box, opened_at = inbox[p], opened[p]
+        view = policies.RoundView(opened_at, quorum_at[p], frozenset(box), live_view)
+        if quorum_at[p] is None and policies.quorum_reached(view, policy)[0]:
+            quorum_at[p] = now
+            quorum_avg.update(now - (now if opened_at is None else opened_at))
+            refresh_timings()
+            view = policies.RoundView(opened_at, now, view.contributors, live_view)
+        decision = policies.decide(now, view, timings, tau, policy)
+        stats.decide_calls += 1
+        if not decision.merge:
+            if decision.wake_at is not None:
+                wake_seq += 1
+                heapq.heappush(wakes, (decision.wake_at, wake_seq, p, round_id[p]))
+            return
+        arrive = now + sync_s
+        tokens, steps, step_sum = [], [], 0.0
+        last = last_merged_step
+        for sent_at, step, m in box.values():
+            apply_at = sent_at + tau * step_of[m]
+            if arrive > apply_at:
+                stats.late_chip_s += compute_rate[m] / frags * uptime[m].between(apply_at, arrive)
+            prev = last[m][p]
+            done = period if prev is None else step - prev
+            last[m][p] = step
+            tokens.append(chips_of[m] * done)
+            steps.append(done)
+            step_sum += step_of[m]
+        weights = policies.token_weights(tokens, steps)
+        step_avg.update(step_sum / len(box))
+        sync_avg.update(sync_s)
+        refresh_timings()
+        stats.merges += 1
+        stats.contributors_sum += len(box)
+        stats.effective_sum += 1.0 / sum(w * w for w in weights)
+        stats.grace_sum += decision.grace_s
+        reasons[decision.reason[:3]] += 1
+        if now - last_merge_at > stats.max_merge_gap_s:
+            stats.max_merge_gap_s = now - last_merge_at
+        last_merge_at = now
+        box.clear()
+        opened[p] = quorum_at[p] = None
+        round_id[p] += 1
+
+    def wake_until(t: float) -> None:
+        while wakes and wakes[0][0] <= t:
+            at, _, p, rid = heapq.heappop(wakes)
+            if rid == round_id[p]:
+                evaluate(p, at)
+
+    for t, kind, m, p, step in events:
+        if wakes and wakes[0][0] <= t:
+            wake_until(t)
+        if kind == _CONTRIB:
+            stats.contributions += 1
+            box = inbox[p]
+            name = names[m]
+            if not box:
+                opened[p] = t
+            elif name in box:
+                stats.replaced += 1  # the newer contribution carries the older one's progress
+            box[name] = (t, step, m)
+            evaluate(p, t)
+        elif kind == _DOWN:
+            live.discard(names[m])
+            live_view = frozenset(live)
+            for q in range(frags):  # a drop-out can complete "every live learner contributed"
+                if inbox[q]:
+                    evaluate(q, t)
+        else:
+            live.add(names[m])
+            live_view = frozenset(live)
+    wake_until(horizon)
+    stats.max_merge_gap_s = max(stats.max_merge_gap_s, horizon - last_merge_at)
+    for prefix, count in reasons.items():
+        stats.reasons[_reason_kind(prefix)] += count
+    return stats

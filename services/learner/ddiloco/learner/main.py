@@ -1,0 +1,57 @@
+"""``ddiloco learner --synchronizer HOST:PORT --learner-id ID [--config FILE]``: one learner service."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+
+from ddiloco.core.logs import configure, get_logger
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco learner", description=__doc__)
+    parser.add_argument("--synchronizer", help="HOST:PORT of the synchronizer")
+    parser.add_argument("--learner-id", dest="learner_id", help="stable learner identity (default $HOSTNAME)")
+    parser.add_argument("--config", help="YAML/JSON config (sections: learner, protocol, model, data, train)")
+    parser.add_argument("--steps", type=int, help="inner steps to run")
+    parser.add_argument("--shard", type=int, dest="shard_index", help="data shard index")
+    parser.add_argument("--num-shards", type=int, dest="num_shards", help="number of data shards")
+    parser.add_argument("--threads", type=int, help="torch threads")
+    parser.add_argument("--metrics-file", dest="metrics_file", help="append JSON Lines events here")
+    parser.add_argument("--summary-file", help="write the final summary JSON here")
+    args = parser.parse_args(argv)
+    configure()
+    from ddiloco.learner.config import load_learner_config
+    from ddiloco.learner.service import Learner, LearnerError
+
+    try:
+        cfg = load_learner_config(args.config, synchronizer=args.synchronizer, learner_id=args.learner_id,
+                                  shard_index=args.shard_index, num_shards=args.num_shards,
+                                  metrics_file=args.metrics_file,
+                                  token=os.environ.get("DDILOCO_TOKEN") or None)
+        if args.steps is not None or args.threads is not None:
+            train = dataclasses.replace(cfg.train, **{k: v for k, v in (("steps", args.steps),
+                                                                         ("threads", args.threads)) if v is not None})
+            cfg = dataclasses.replace(cfg, train=train)
+    except ValueError as exc:
+        print(f"ddiloco learner: {exc}", file=sys.stderr)
+        return 2
+    learner = Learner(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: learner.comm.draining.set())
+    try:
+        summary = learner.run()
+    except LearnerError as exc:
+        get_logger("ddiloco.learner").error("learner failed", error=str(exc))
+        return 3
+    if args.summary_file:
+        with open(args.summary_file, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

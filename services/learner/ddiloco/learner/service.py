@@ -1,0 +1,255 @@
+"""One learner: inner loop -> fragment schedule -> outer gradient -> hand-off -> apply on arrival.
+
+The training loop runs on the calling thread; ``Comm`` owns the network on its own thread. Per
+fragment p the learner keeps its base (the last global fragment it applied, fp32, with its
+version) and the counters (tokens, steps) of the progress that the next contribution carries.
+When p falls due, ``Delta = base_p - theta_p`` (fp32) is handed to Comm and training goes on.
+Merged fragments are applied at step boundaries, ``tau`` steps after this learner sent the
+fragment: a version merged from other learners' contributions while ours was not yet sent is held
+until ours is on its way, so that unsent local progress is never overwritten. Decoupled mode
+applies a late arrival as soon as it is there; streaming and diloco block for it, with a timeout,
+and count that time as blocked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ddiloco.core.config import to_dict
+from ddiloco.core.logs import get_logger
+from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
+from ddiloco.fragments.partition import partition_tensors
+from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.apply import apply_global, counters_after_apply
+from ddiloco.learner.comm import Arrival, Comm, Outgoing
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
+from ddiloco.learner.events import EventLog
+from ddiloco.learner.inner_loop import InnerLoop, resolve_device
+from ddiloco.learner.metrics import LearnerMetrics
+from ddiloco.learner.model import build_model, model_fingerprint, num_params
+
+
+@dataclass
+class SentState:
+    step: int
+    counters: tuple[int, int]
+    base_version: int
+    values: torch.Tensor | None
+
+
+class LearnerError(RuntimeError):
+    """The learner cannot run (refused by the synchronizer, bad configuration)."""
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig) -> None:
+        self.cfg = cfg
+        self.learner_id = cfg.resolved_id
+        self.incarnation = random.SystemRandom().getrandbits(62) + 1
+        threads = cfg.train.threads or os.cpu_count() or 1
+        torch.set_num_threads(threads)
+        self.device = resolve_device(cfg.train.device)
+        self.log = get_logger("ddiloco.learner", learner_id=self.learner_id)
+        corpus = load_corpus(cfg.data)
+        self.shard_index, self.num_shards = cfg.resolved_shard()
+        self.shard = TokenShard(corpus.train, self.shard_index, self.num_shards)
+        self.generator = shard_generator(cfg.data.seed * 1_000_003 + cfg.train.seed, self.shard_index)
+        self.eval_set = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, cfg.train.eval_batches)
+        model = build_model(cfg.model, cfg.train.seed)
+        self.fingerprint = model_fingerprint(model, cfg.model)
+        self.inner = InnerLoop(model, cfg.train, self.device)
+        self.params = dict(self.inner.model.named_parameters())
+        p = cfg.protocol
+        self.layout = partition_tensors(list(self.params.items()), p.num_fragments)
+        self.schedule = FragmentSchedule(num_fragments=p.num_fragments, sync_every=p.sync_every, overlap=p.overlap)
+        self.events = EventLog(cfg.metrics_file, learner_id=self.learner_id, incarnation=self.incarnation)
+        self.base: dict[int, torch.Tensor] = {}
+        self.version: dict[int, int] = {}
+        self.counters: dict[int, list[int]] = {f.index: [0, 0] for f in self.layout}
+        self.window_start: dict[int, int] = {f.index: 1 for f in self.layout}
+        self.sent: dict[int, SentState] = {}
+        self.pending: dict[int, Arrival] = {}
+        self.sequence = itertools.count(1)
+        self.tokens = 0
+        self.blocked_s = 0.0
+        self.phase = 0
+        """Offset of this learner's fragment schedule: the fleet's step when it joined."""
+        self.metrics = LearnerMetrics()
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(cfg.metrics_port)
+        self.events.observers.append(self._observe)
+        self.comm = Comm(cfg, layout=self.layout, model_fingerprint=self.fingerprint, incarnation=self.incarnation,
+                         events=self.events, held=lambda: dict(self.version), genesis_values=self._genesis_values)
+
+    def _observe(self, event: str, fields: dict) -> None:
+        m = self.metrics
+        if event == "result":
+            m.contributions.labels(fields.get("outcome", "")).inc()
+        elif event == "dropped":
+            m.contributions.labels("dropped").inc()
+        elif event == "send":
+            m.contributions.labels("sent").inc()
+        elif event == "apply":
+            m.applies.inc()
+        elif event in ("connect", "disconnect"):
+            m.connected.set(1 if event == "connect" else 0)
+
+    # -- joining --------------------------------------------------------------------------
+
+    def _genesis_values(self) -> dict[int, torch.Tensor]:
+        return {f.index: gather(f, self.params) for f in self.layout}
+
+    def join(self, timeout_s: float = 600.0) -> None:
+        self.comm.start()
+        if not self.comm.join.ready.wait(timeout_s):
+            raise LearnerError(f"could not join the synchronizer at {self.cfg.synchronizer} within {timeout_s}s")
+        if self.comm.join.error:
+            raise LearnerError(f"synchronizer refused this learner: {self.comm.join.error}")
+        if self.comm.join.genesis:
+            for frag in self.layout:
+                self.base[frag.index] = gather(frag, self.params)
+                self.version[frag.index] = 0
+        else:
+            self.phase = self.comm.join.fleet_step
+            for p, (version, values) in self.comm.join.fetched.items():
+                scatter(self.layout[p], values, self.params)
+                self.base[p] = values.clone()
+                self.version[p] = version
+        self.events.emit("start", num_fragments=self.layout.num_fragments,
+                         fragment_sizes=[f.numel for f in self.layout], params=num_params(self.inner.model),
+                         genesis=self.comm.join.genesis, versions=dict(self.version), shard=self.shard_index,
+                         mode=self.cfg.protocol.mode, apply_policy=self.cfg.apply_policy, phase=self.phase,
+                         config=to_dict(self.cfg))
+        self.log.info("joined", genesis=self.comm.join.genesis, params=num_params(self.inner.model),
+                      fragments=self.layout.num_fragments, shard=f"{self.shard_index}/{self.num_shards}")
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        self.join()
+        cfg = self.cfg
+        batch_tokens = cfg.data.batch_size * cfg.data.context
+        step = 0
+        started = time.time()
+        ema_step = 0.0
+        for step in range(1, cfg.train.steps + 1):
+            blocked = self._apply_arrivals(step)
+            x, y = self.shard.sample_batch(self.generator, cfg.data.batch_size, cfg.data.context)
+            loss, step_s = self.inner.step(x, y)
+            self.tokens += batch_tokens
+            for c in self.counters.values():
+                c[0] += batch_tokens
+                c[1] += 1
+            for p in self.schedule.due(step + self.phase):
+                self._send(p, step)
+            ema_step = step_s if ema_step == 0 else 0.9 * ema_step + 0.1 * step_s
+            stats = self.comm.stats
+            stats.step, stats.tokens_total, stats.step_time_s = step, self.tokens, ema_step
+            stats.tokens_per_s = batch_tokens / ema_step if ema_step else 0.0
+            self.events.emit("step", step=step, loss=loss, tokens=self.tokens, step_s=step_s, blocked_s=blocked)
+            m = self.metrics
+            m.steps.inc()
+            m.tokens.inc(batch_tokens)
+            m.loss.set(loss)
+            m.blocked.inc(blocked)
+            m.tokens_per_s.set(stats.tokens_per_s)
+            m.bytes_sent.set(self.comm.bytes_sent)
+            m.bytes_received.set(self.comm.bytes_received)
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+                self._eval(step)
+            if self.comm.draining.is_set():
+                self.log.info("draining", step=step)
+                break
+        # Hand over the progress made since each fragment's last send, so no trained step is lost
+        # when the learner finishes or drains.
+        for frag in self.layout:
+            if self.sent.get(frag.index) is None or self.sent[frag.index].step != step:
+                self._send(frag.index, step)
+        wall = time.time() - started
+        # Training ends here. The local model's final evaluation and waiting below for the last
+        # contributions' results are the bookkeeping of a finite run (a deployed learner never
+        # stops), so they are logged after the end.
+        self.events.emit("end", step=step, tokens=self.tokens, wall_s=wall, blocked_s=self.blocked_s)
+        final = self._eval(step)
+        answered = self.comm.flush(timeout_s=30.0)
+        self.comm.stop("finished" if not self.comm.draining.is_set() else "drained")
+        self.events.emit("flushed", all_answered=answered, pending_s=time.time() - started - wall)
+        self.events.close()
+        return {"learner_id": self.learner_id, "steps": step, "tokens": self.tokens, "eval_loss": final,
+                "wall_s": wall, "blocked_s": self.blocked_s}
+
+    def _eval(self, step: int) -> float:
+        loss = self.inner.evaluate(self.eval_set)
+        self.events.emit("eval", step=step, tokens=self.tokens, loss=loss)
+        return loss
+
+    def _send(self, p: int, step: int) -> None:
+        frag = self.layout[p]
+        tokens, steps = self.counters[p]
+        if steps == 0:
+            return
+        current = gather(frag, self.params)
+        delta = outer_gradient(self.base[p], current)
+        seq = next(self.sequence)
+        self.comm.submit(Outgoing(p, seq, self.version[p], tokens, steps, step, delta))
+        self.events.emit("send", step=step, fragment=p, sequence=seq, base_version=self.version[p], tokens=tokens,
+                         steps=steps, from_step=self.window_start[p], to_step=step)
+        keep = current if self.cfg.apply_policy == "replay" else None
+        self.sent[p] = SentState(step, (tokens, steps), self.version[p], keep)
+
+    def _apply_arrivals(self, step: int) -> float:
+        """Apply merged fragments due at this step boundary; returns seconds blocked waiting."""
+        blocking = self.cfg.protocol.mode in ("streaming", "diloco")
+        blocked = 0.0
+        if blocking:
+            for p, sent in list(self.sent.items()):
+                if step > self.schedule.apply_step(sent.step) and p not in self.pending:
+                    known = self.comm.peek_version(p)
+                    if known is None or known <= sent.base_version:
+                        t0 = time.perf_counter()
+                        self.comm.wait_arrival(p, sent.base_version, self.cfg.wait_timeout_s)
+                        blocked += time.perf_counter() - t0
+        self.pending.update(self.comm.take_arrivals())
+        for p, arrival in list(self.pending.items()):
+            sent = self.sent.get(p)
+            if not arrival.resync:
+                if sent is None:
+                    # A merge of other learners' contributions, before ours for this fragment was sent:
+                    # hold it until ours is on its way, so no unsent local progress is thrown away.
+                    continue
+                if step <= self.schedule.apply_step(sent.step):
+                    continue  # arrived early: apply tau steps after sending
+            del self.pending[p]
+            self._apply(p, arrival, step)
+        self.blocked_s += blocked
+        return blocked
+
+    def _apply(self, p: int, arrival: Arrival, step: int) -> None:
+        frag = self.layout[p]
+        if not arrival.resync and arrival.version <= self.version[p]:
+            return
+        policy = "overwrite" if arrival.resync else self.cfg.apply_policy
+        sent = self.sent.pop(p, None)
+        local = gather(frag, self.params)
+        reference = sent.values if (sent is not None and sent.values is not None) else self.base[p]
+        new = apply_global(policy, local=local, global_=arrival.values, reference=reference,
+                           alpha=self.cfg.mix_alpha)
+        scatter(frag, new, self.params)
+        self.base[p] = arrival.values
+        self.version[p] = arrival.version
+        now = (self.counters[p][0], self.counters[p][1])
+        tokens, steps = counters_after_apply(policy, now, sent.counters if sent else None)
+        self.counters[p] = [tokens, steps]
+        if policy == "overwrite":
+            self.window_start[p] = step
+        elif sent is not None:
+            self.window_start[p] = sent.step + 1
+        self.events.emit("apply", step=step, fragment=p, version=arrival.version, policy=policy,
+                         resync=arrival.resync)

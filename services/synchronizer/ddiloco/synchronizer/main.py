@@ -1,0 +1,80 @@
+"""``ddiloco synchronizer --listen HOST:PORT --state-dir DIR [--config FILE]``: the service as deployed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import signal
+import sys
+
+from ddiloco.core.config import build, read_config_file
+from ddiloco.core.logs import configure, get_logger
+from ddiloco.synchronizer.config import SynchronizerConfig, with_mode
+
+
+def config_from_args(args: argparse.Namespace) -> SynchronizerConfig:
+    data = read_config_file(args.config)
+    section = dict(data.get("synchronizer") or {})
+    if "protocol" in data:
+        section.setdefault("protocol", data["protocol"])
+    for key in ("listen", "state_dir", "metrics_port", "merge_log"):
+        value = getattr(args, key)
+        if value is not None:
+            section[key] = value
+    cfg = build(SynchronizerConfig, section, "synchronizer")  # nested sections become their dataclasses
+    mode = args.mode or cfg.protocol.mode
+    cfg = with_mode(cfg, mode)
+    if args.quorum is not None:
+        cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, quorum=args.quorum))
+    return cfg
+
+
+async def serve(cfg: SynchronizerConfig, ready_file: str | None = None) -> int:
+    from ddiloco.synchronizer.server import SynchronizerServer
+
+    server = SynchronizerServer(cfg)
+    port = await server.start()
+    if ready_file:
+        with open(ready_file + ".tmp", "w") as f:
+            json.dump({"port": port, "metrics_port": server.metrics_port,
+                       "synchronizer_id": server.engine.synchronizer_id}, f)
+        import os
+
+        os.replace(ready_file + ".tmp", ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco synchronizer", description=__doc__)
+    parser.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:7000)")
+    parser.add_argument("--state-dir", dest="state_dir", help="durable state folder")
+    parser.add_argument("--config", help="YAML/JSON config file (sections: synchronizer, protocol)")
+    parser.add_argument("--mode", choices=("decoupled", "streaming", "diloco"), help="mode preset")
+    parser.add_argument("--quorum", type=int, help="minimum quorum K (0 = all live learners)")
+    parser.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port")
+    parser.add_argument("--merge-log", dest="merge_log", help="append one JSON line per merge here")
+    parser.add_argument("--ready-file", help="write {port, ...} JSON here once serving (for orchestration)")
+    args = parser.parse_args(argv)
+    configure()
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"ddiloco synchronizer: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(cfg, args.ready_file))
+    except OSError as exc:
+        get_logger("ddiloco.synchronizer").error("cannot start", error=str(exc))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
