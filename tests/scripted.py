@@ -23,7 +23,7 @@ from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
 from ddiloco.protocol import wire
-from ddiloco.protocol.client import SyncStream, open_channel
+from ddiloco.protocol.client import SyncStream, message_limit, open_channel
 from ddiloco.synchronizer.config import SynchronizerConfig
 from ddiloco.synchronizer.server import SynchronizerServer
 
@@ -83,7 +83,7 @@ class ScriptedLearner:
         self.protocol = protocol or toy_protocol()
         self.params = params if params is not None else toy_params()
         self.layout: FragmentLayout = partition_tensors(self.params, self.protocol.num_fragments)
-        self.channel = open_channel(f"127.0.0.1:{port}", max_message_bytes=self.protocol.max_chunk_bytes + (1 << 20))
+        self.channel = open_channel(f"127.0.0.1:{port}", max_message_bytes=message_limit(self.protocol.max_chunk_bytes))
         self.stream = SyncStream(self.channel, max_chunk_bytes=self.protocol.max_chunk_bytes, token=token)
         self.codec = make_codec("fp32")
         self.sequence = itertools.count(1)

@@ -1,4 +1,8 @@
-"""Run plots are written as real PNG files, from a run folder, from loaded logs and from nothing."""
+"""Run plots draw what the logs hold, on the axes they claim, and are written as real PNG files.
+
+Each plot is built as a figure first (``*_figure``), so the tests read back the lines, points and
+bars that were drawn, not only that a file appeared.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ddiloco.lab.goodput import RunLogs, fleet_summary
-from ddiloco.lab.plots import PLOT_FILES, plot_compare, plot_run
+from ddiloco.lab.plots import (
+    PLOT_FILES,
+    compare_figure,
+    fleet_tokens,
+    goodput_figure,
+    loss_figure,
+    merges_figure,
+    plot_compare,
+    plot_run,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -88,3 +103,52 @@ def test_plot_compare(tmp_path: Path) -> None:
     path = plot_compare(runs, tmp_path / "cmp" / "compare.png")
     assert path == tmp_path / "cmp" / "compare.png"
     _assert_png(path)
+
+
+def _lines(fig: Any) -> dict[str, Any]:
+    return {line.get_label(): line for line in fig.axes[0].get_lines()}
+
+
+def test_loss_curves_share_the_fleet_token_axis() -> None:
+    """Two learners stepping in lockstep: at each second the fleet has processed both learners'
+    tokens, so a learner's loss at its own 100*k tokens sits at 200*k on the shared axis, where
+    the global model's curve (fleet tokens) is drawn too."""
+    logs = RunLogs(learners={"a": _learner("a"), "b": _learner("b")}, merges=_merges())
+    times, tokens = fleet_tokens(logs)
+    assert len(times) == 40 and tokens[-1] == 4000 and np.all(np.diff(tokens) >= 0)
+    lines = _lines(loss_figure(logs, global_eval=[(0, 5.5), (2000, 4.0), (4000, 3.5)]))
+    assert set(lines) == {"learner a train", "learner a eval", "learner b train", "learner b eval",
+                          "global model eval"}
+    train = lines["learner a train"]
+    assert list(train.get_xdata()) == [200.0 * (i + 1) for i in range(20)]
+    assert list(train.get_ydata()) == [5.0 - 0.1 * i for i in range(20)]
+    assert list(lines["learner a eval"].get_xdata()) == [1000.0, 2000.0, 3000.0, 4000.0]
+    assert list(lines["global model eval"].get_xdata()) == [0, 2000, 4000]
+
+
+def test_a_restarted_learner_adds_its_tokens_to_the_fleet() -> None:
+    logs = RunLogs(learners={"b": _learner("b", restart=True)})
+    _, tokens = fleet_tokens(logs)
+    assert tokens[-1] == 2000 and np.all(np.diff(tokens) > 0), "the counter restarts, the fleet's does not"
+
+
+def test_merges_figure_draws_every_merge_and_the_outage() -> None:
+    fig = merges_figure(RunLogs(merges=_merges()))
+    points = fig.axes[0].collections[0].get_offsets()
+    assert len(points) == 14 and set(points[:, 1]) == {0, 1}
+    spans = [p for p in fig.axes[0].patches]
+    assert len(spans) == 1, "one shaded outage between the stop and the restart"
+
+
+def test_goodput_figure_draws_the_summary_numbers() -> None:
+    learners = {"a": _learner("a"), "b": _learner("b")}
+    summary = fleet_summary(learners, _merges())
+    fig = goodput_figure(summary)
+    heights = [bar.get_height() for bar in fig.axes[0].patches]
+    per = summary["per_learner"]
+    assert heights[:2] == [per["a"]["goodput"], per["b"]["goodput"]] and 0 < heights[0] < 1
+
+
+def test_compare_figure_sorts_each_curve_and_skips_empty_ones() -> None:
+    lines = _lines(compare_figure({"decoupled": [(3000, 2.95), (1000, 4.1)], "empty": []}))
+    assert set(lines) == {"decoupled"} and list(lines["decoupled"].get_xdata()) == [1000.0, 3000.0]

@@ -2,8 +2,9 @@
 
 One process trains one model on the combined batch of all learners (batch_size * learners), for
 the same number of steps, hence the same tokens, with the same model, data, schedule and inner
-optimizer. Its eval loss is the reference that every other mode is measured against. It writes
-the same event log format as a learner (with every step counted as reaching the model).
+optimizer. Its eval loss is the reference that every other mode is measured against. It writes a
+learner's event log (steps and evaluations; there is nothing to send) and the global-model curve
+(genesis and final points), so the summary and plots read it like any run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ddiloco.lab.global_eval import write_point
 from ddiloco.learner.config import load_learner_config
 from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
 from ddiloco.learner.events import EventLog
@@ -40,6 +42,7 @@ def run_dp(doc: dict[str, Any], out: pathlib.Path, show_progress: bool = False) 
     events = EventLog(str(out / "learners" / "dp.jsonl"), learner_id="dp", incarnation=1)
     events.emit("start", num_fragments=1, fragment_sizes=[num_params(model)], params=num_params(model),
                 genesis=True, mode="dp")
+    write_point(out, 0, evaluate(inner.model, evals, device), 0)
     started = time.time()
     tokens = 0
     batch_tokens = data.batch_size * data.context
@@ -49,16 +52,12 @@ def run_dp(doc: dict[str, Any], out: pathlib.Path, show_progress: bool = False) 
         loss, step_s = inner.step(x, y)
         tokens += batch_tokens
         events.emit("step", step=step, loss=loss, tokens=tokens, step_s=step_s, blocked_s=0.0)
-        # one "merged contribution" per step: all of a dp step's progress is in the model at once
-        events.emit("send", step=step, fragment=0, sequence=step, base_version=step - 1, tokens=batch_tokens,
-                    steps=1, from_step=step, to_step=step)
-        events.emit("result", sequence=step, fragment=0, outcome="merged", version=step, reason="", weight=1.0,
-                    staleness=0)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
             events.emit("eval", step=step, tokens=tokens, loss=inner.evaluate(evals))
     final_batches = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context,
                                  int(doc["run"]["final_eval_batches"]))
     final = evaluate(inner.model, final_batches, device)
+    write_point(out, tokens, final, steps, final=True)
     events.emit("eval", step=steps, tokens=tokens, loss=inner.evaluate(evals))
     wall = time.time() - started
     events.emit("end", step=steps, tokens=tokens, eval_loss=final, wall_s=wall, blocked_s=0.0)

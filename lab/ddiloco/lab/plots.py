@@ -8,9 +8,10 @@ Design decisions:
 - **Same inputs as the numbers.** Plots read the event logs that ``ddiloco.lab.goodput``
   reads (a run folder or a ``RunLogs``) and the goodput plot draws ``fleet_summary``'s numbers,
   so a plot never disagrees with ``summary.json``.
-- **Time axes start at zero** (the run's first event) and token axes are per learner: a
-  restarted learner's per-process token counter is offset by what its earlier incarnations
-  processed, so its curve stays monotonic.
+- **Time axes start at zero** (the run's first event), and every token axis counts the *fleet's*
+  tokens: a learner's loss at time t is drawn at the tokens all learners had processed by t, the
+  axis the global model's curve uses (per-learner tokens put the global curve about M times
+  further right and made it look worse than it is).
 - **Empty data still writes a file** (with a note), so a run folder always has its three PNGs.
 """
 
@@ -47,41 +48,65 @@ def _no_data(ax: Axes, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what}", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def _learner_curves(events: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(train tokens, train loss, eval tokens, eval loss), tokens offset across incarnations."""
-    offset = 0.0
-    last = 0.0
-    train_x: list[float] = []
-    train_y: list[float] = []
-    eval_x: list[float] = []
-    eval_y: list[float] = []
+def fleet_tokens(logs: RunLogs) -> tuple[np.ndarray, np.ndarray]:
+    """(times, tokens all learners had processed by then), one point per step of any learner.
+
+    A learner's step events carry its process's running token count; the increments of every
+    incarnation of every learner, in time order, add up to the fleet's count."""
+    times: list[float] = []
+    added: list[float] = []
+    for events in logs.learners.values():
+        last = 0.0
+        for e in events:
+            kind = e.get("event")
+            if kind == "start":
+                last = 0.0
+            elif kind == "step" and e.get("tokens") is not None and e.get("t") is not None:
+                tokens = float(e["tokens"])
+                times.append(float(e["t"]))
+                added.append(max(0.0, tokens - last))
+                last = tokens
+    if not times:
+        return np.zeros(0), np.zeros(0)
+    order = np.argsort(times, kind="stable")
+    return np.asarray(times)[order], np.cumsum(np.asarray(added)[order])
+
+
+def _at(timeline: tuple[np.ndarray, np.ndarray], t: np.ndarray) -> np.ndarray:
+    """Fleet tokens at times ``t`` (those of the last step that ended by then)."""
+    times, tokens = timeline
+    if not len(times):
+        return np.zeros(len(t))
+    i = np.searchsorted(times, t, side="right") - 1
+    return np.where(i >= 0, tokens[np.clip(i, 0, None)], 0.0)
+
+
+def _learner_curves(events: Sequence[Mapping[str, Any]], timeline: tuple[np.ndarray, np.ndarray]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(fleet tokens, train loss, fleet tokens, eval loss) of one learner's log."""
+    series: dict[str, tuple[list[float], list[float]]] = {"step": ([], []), "eval": ([], [])}
     for e in events:
         kind = e.get("event")
-        if kind == "start":
-            offset += last
-            last = 0.0
-        elif kind in ("step", "eval", "end") and e.get("tokens") is not None:
-            tokens = float(e["tokens"])
-            last = max(last, tokens)
-            if e.get("loss") is None:
-                continue
-            (train_x if kind == "step" else eval_x).append(offset + tokens)
-            (train_y if kind == "step" else eval_y).append(float(e["loss"]))
-    return np.asarray(train_x), np.asarray(train_y), np.asarray(eval_x), np.asarray(eval_y)
+        if kind in series and e.get("loss") is not None and e.get("t") is not None:
+            series[kind][0].append(float(e["t"]))
+            series[kind][1].append(float(e["loss"]))
+    (tt, tl), (et, el) = series["step"], series["eval"]
+    return _at(timeline, np.asarray(tt)), np.asarray(tl), _at(timeline, np.asarray(et)), np.asarray(el)
 
 
-def plot_loss_vs_tokens(logs: RunLogs, path: str | os.PathLike[str], *,
-                        global_eval: Curve | None = None) -> Path:
-    """Eval loss vs tokens per learner (solid), train loss (faint), and ``global_eval`` (black)."""
+def loss_figure(logs: RunLogs, *, global_eval: Curve | None = None) -> Figure:
+    """Eval loss per learner (solid), train loss (faint) and ``global_eval`` (black), all against
+    the fleet's tokens."""
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.add_subplot()
     drawn = False
+    timeline = fleet_tokens(logs)
     for k, (lid, events) in enumerate(sorted(logs.learners.items())):
         color = f"C{k % 10}"
-        tx, ty, ex, ey = _learner_curves(events)
+        tx, ty, ex, ey = _learner_curves(events, timeline)
         if len(tx):
             stride = max(1, len(tx) // MAX_TRAIN_POINTS)
-            ax.plot(tx[::stride], ty[::stride], color=color, alpha=0.2, linewidth=0.8)
+            ax.plot(tx[::stride], ty[::stride], color=color, alpha=0.2, linewidth=0.8, label=f"learner {lid} train")
             drawn = True
         if len(ex):
             ax.plot(ex, ey, color=color, marker="o", markersize=3, linewidth=1.5, label=f"learner {lid} eval")
@@ -92,13 +117,18 @@ def plot_loss_vs_tokens(logs: RunLogs, path: str | os.PathLike[str], *,
         drawn = True
     if not drawn:
         _no_data(ax, "loss events")
-    ax.set_xlabel("tokens (per learner; global: all learners)")
+    ax.set_xlabel("tokens processed by the whole fleet")
     ax.set_ylabel("loss")
     ax.set_title("Loss vs tokens (faint: train loss)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    return _save(fig, Path(path))
+    return fig
+
+
+def plot_loss_vs_tokens(logs: RunLogs, path: str | os.PathLike[str], *,
+                        global_eval: Curve | None = None) -> Path:
+    return _save(loss_figure(logs, global_eval=global_eval), Path(path))
 
 
 def _run_t0(logs: RunLogs) -> float:
@@ -107,7 +137,7 @@ def _run_t0(logs: RunLogs) -> float:
     return min(times) if times else 0.0
 
 
-def plot_merges_over_time(logs: RunLogs, path: str | os.PathLike[str]) -> Path:
+def merges_figure(logs: RunLogs) -> Figure:
     """Merge events per fragment vs time (top) and cumulative merges (bottom).
 
     Synchronizer stops (red) and starts after a stop (green) are marked with vertical lines and
@@ -146,10 +176,14 @@ def plot_merges_over_time(logs: RunLogs, path: str | os.PathLike[str]) -> Path:
     bottom.set_xlabel("time since run start (s)")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    return _save(fig, Path(path))
+    return fig
 
 
-def plot_goodput(summary: Mapping[str, Any], path: str | os.PathLike[str], *, target: float = 0.95) -> Path:
+def plot_merges_over_time(logs: RunLogs, path: str | os.PathLike[str]) -> Path:
+    return _save(merges_figure(logs), Path(path))
+
+
+def goodput_figure(summary: Mapping[str, Any], *, target: float = 0.95) -> Figure:
     """Per-learner goodput, compute share and blocked share bars, from ``fleet_summary``'s dict."""
     per = summary.get("per_learner", {})
     ids = sorted(per)
@@ -178,7 +212,11 @@ def plot_goodput(summary: Mapping[str, Any], path: str | os.PathLike[str], *, ta
                  + (f" | global downtime {downtime:.2f}s" if downtime is not None else "")
                  + (f" | max merge gap {gap:.2f}s" if gap is not None else ""))
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, Path(path))
+    return fig
+
+
+def plot_goodput(summary: Mapping[str, Any], path: str | os.PathLike[str], *, target: float = 0.95) -> Path:
+    return _save(goodput_figure(summary, target=target), Path(path))
 
 
 def plot_run(run: str | os.PathLike[str] | RunLogs, out_dir: str | os.PathLike[str], *,
@@ -201,8 +239,7 @@ def plot_run(run: str | os.PathLike[str] | RunLogs, out_dir: str | os.PathLike[s
     }
 
 
-def plot_compare(runs: Mapping[str, Curve], path: str | os.PathLike[str], *,
-                 title: str = "Eval loss vs tokens") -> Path:
+def compare_figure(runs: Mapping[str, Curve], *, title: str = "Eval loss vs tokens") -> Figure:
     """Overlay several runs' eval curves, e.g. ``{"dp": [(tokens, loss), ...], "decoupled": ...}``."""
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.add_subplot()
@@ -222,4 +259,9 @@ def plot_compare(runs: Mapping[str, Curve], path: str | os.PathLike[str], *,
     ax.set_ylabel("eval loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    return _save(fig, Path(path))
+    return fig
+
+
+def plot_compare(runs: Mapping[str, Curve], path: str | os.PathLike[str], *,
+                 title: str = "Eval loss vs tokens") -> Path:
+    return _save(compare_figure(runs, title=title), Path(path))

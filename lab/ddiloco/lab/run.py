@@ -28,6 +28,7 @@ import yaml
 
 from ddiloco.core.config import read_config_file
 from ddiloco.lab.chaos import FaultPlan
+from ddiloco.lab.global_eval import EvalCurve, GlobalModelEval, read_curve
 
 MODES = ("decoupled", "streaming", "diloco", "dp")
 
@@ -121,105 +122,6 @@ class Tail:
         return out
 
 
-class GlobalModelEval:
-    """Evaluates the synchronizer's current global model on the held-out split.
-
-    The model, layout and eval batches are built once; each call fetches the state over gRPC
-    (FetchState, as a joining learner does) and runs the forward passes on the CPU.
-    """
-
-    def __init__(self, target: str, doc_path: pathlib.Path, eval_batches: int) -> None:
-        from ddiloco.fragments.partition import partition_tensors
-        from ddiloco.learner.config import load_learner_config
-        from ddiloco.learner.data import eval_batches as make_eval_batches
-        from ddiloco.learner.data import load_corpus
-        from ddiloco.learner.model import build_model
-
-        self.target = target
-        self.cfg = cfg = load_learner_config(str(doc_path), synchronizer=target, learner_id="evaluator")
-        self.model = build_model(cfg.model, cfg.train.seed)
-        self.params = dict(self.model.named_parameters())
-        self.layout = partition_tensors(list(self.params.items()), cfg.protocol.num_fragments)
-        corpus = load_corpus(cfg.data)
-        self.batches = make_eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, eval_batches)
-
-    def __call__(self, timeout_s: float = 60.0) -> tuple[float, dict[int, int]]:
-        """(eval loss, fragment -> version evaluated)."""
-        import torch
-
-        from ddiloco.fragments.outer_gradient import scatter
-        from ddiloco.fragments.payload import decode_fragment
-        from ddiloco.learner.inner_loop import evaluate
-        from ddiloco.protocol.client import SyncStream, open_channel
-
-        limit = self.cfg.protocol.max_chunk_bytes
-
-        async def fetch() -> list[Any]:
-            channel = open_channel(self.target, max_message_bytes=limit + (1 << 20))
-            try:
-                return await asyncio.wait_for(SyncStream(channel, max_chunk_bytes=limit).fetch_state("evaluator"),
-                                              timeout_s)
-            finally:
-                await channel.close()
-
-        versions = {}
-        for transfer in asyncio.run(fetch()):
-            scatter(self.layout[transfer.header.fragment_id], decode_fragment(transfer, self.layout), self.params)
-            versions[transfer.header.fragment_id] = transfer.header.version
-        return evaluate(self.model, self.batches, torch.device("cpu")), versions
-
-
-def evaluate_global(target: str, doc_path: pathlib.Path, eval_batches: int) -> float:
-    """Fetch the global model over gRPC and evaluate it on the held-out split."""
-    return GlobalModelEval(target, doc_path, eval_batches)()[0]
-
-
-class PeriodicGlobalEval:
-    """Evaluates the global model every ``every_s`` seconds on its own thread while a run trains,
-    appending ``{"t", "tokens", "loss", "min_version"}`` lines to ``global_eval.jsonl``: the loss
-    curve of the model the fleet builds, measured outside the learners (as an evaluation job
-    beside a deployment would), so no learner spends training time on it. A fetch that fails
-    (the synchronizer restarting under chaos) is skipped: that point is missing from the curve."""
-
-    def __init__(self, target: str, doc_path: pathlib.Path, out: pathlib.Path, every_s: float,
-                 eval_batches: int, tokens: Any) -> None:
-        import threading
-
-        self.target, self.doc_path, self.every_s, self.eval_batches = target, doc_path, every_s, eval_batches
-        self.path = out / "global_eval.jsonl"
-        self.tokens = tokens
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="global-eval", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=120)
-
-    def _loop(self) -> None:
-        evaluator = None
-        while not self.stopping.wait(self.every_s):
-            try:
-                evaluator = evaluator or GlobalModelEval(self.target, self.doc_path, self.eval_batches)
-                tokens = int(self.tokens())
-                loss, versions = evaluator(timeout_s=max(5.0, self.every_s))
-            except Exception:  # the synchronizer may be down (chaos) or not ready yet
-                continue
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"t": time.time(), "tokens": tokens, "loss": loss,
-                                    "min_version": min(versions.values(), default=0)}) + "\n")
-
-
-def global_eval_curve(out: pathlib.Path) -> list[tuple[float, float]]:
-    """(tokens, loss) points of ``global_eval.jsonl`` (empty when the run wrote none)."""
-    path = out / "global_eval.jsonl"
-    if not path.exists():
-        return []
-    return [(float(e["tokens"]), float(e["loss"])) for e in Tail(path).read()]
-
-
 def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
                     plan: FaultPlan | None = None) -> dict[str, Any]:
     from tqdm import tqdm
@@ -230,10 +132,15 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
     n, steps = int(run["learners"]), int(run["steps"])
     cfg_path = out / "config.yaml"
     cluster = LocalCluster(out, cfg_path, learners=n, steps=steps, plan=plan)
-    periodic: PeriodicGlobalEval | None = None
+    trained = [0]  # the fleet's tokens so far, for the evaluator's thread
+    curve = EvalCurve(out, GlobalModelEval(cfg_path, batches=int(doc["train"]["eval_batches"]),
+                                           final_batches=int(run["final_eval_batches"])),
+                      target=lambda: cluster.target, tokens=lambda: trained[0],
+                      every_s=float(run.get("global_eval_every_s", 0) or 0))
     started = time.time()
     try:
         cluster.start_synchronizer()
+        curve.start()
         for i in range(n):
             cluster.start_learner(f"learner-{i}")
         joined: set[str] = set()
@@ -246,13 +153,8 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         last_loss: dict[str, float] = {}
         merges = 0
         batch_tokens = int(doc["data"]["batch_size"]) * int(doc["data"]["context"])
-        trained = [0]  # tokens so far, for the evaluator thread
-        every_s = float(run.get("global_eval_every_s", 0) or 0)
-        if every_s > 0:
-            periodic = PeriodicGlobalEval(cluster.target, cfg_path, out, every_s, int(doc["train"]["eval_batches"]),
-                                          lambda: trained[0])
-            periodic.start()
-        while True:
+
+        def read_tails() -> None:
             for lid in cluster.learners():
                 tail = tails.setdefault(lid, Tail(out / "learners" / f"{lid}.jsonl"))
                 for e in tail.read():
@@ -261,11 +163,15 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
                     if e["event"] == "step":
                         done[(lid, e["incarnation"])] = e["step"]
                         last_loss[lid] = e["loss"]
+            trained[0] = sum(done.values()) * batch_tokens
+
+        while True:
+            read_tails()
             merges += sum(1 for e in merges_tail.read() if e.get("event") == "merge")
             alive = cluster.alive_learners()
             bar.n = min(bar.total, sum(done.values()))
             loss = sum(last_loss.values()) / len(last_loss) if last_loss else float("nan")
-            tokens = trained[0] = sum(done.values()) * batch_tokens
+            tokens = trained[0]
             bar.set_postfix(tokens=f"{tokens / 1e6:.2f}M", loss=f"{loss:.3f}", merges=merges, live=len(alive),
                             refresh=False)
             bar.refresh()
@@ -279,18 +185,16 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
                 raise RuntimeError(f"synchronizer exited with code {sync.returncode} during the run")
             time.sleep(0.5)
         bar.close()
-        if periodic is not None:
-            periodic.stop()
+        read_tails()  # the last steps of whoever finished after the loop's last look
         if cluster.driver is not None:
             cluster.driver.stop()
         failed = {lid: cluster.procs[lid].returncode for lid in cluster.learners()
                   if cluster.procs[lid].returncode not in (0, -signal.SIGKILL)}
-        final = evaluate_global(cluster.target, cfg_path, int(run["final_eval_batches"]))
+        final = curve.finish(trained[0])
         status = _status(cluster.target)
         faults = cluster.driver.injected if cluster.driver is not None else []
     finally:
-        if periodic is not None:
-            periodic.stop()
+        curve.stop()
         cluster.stop_all()
     wall = time.time() - started
     return {"final_eval_loss": final, "wall_s": wall, "failed_learners": failed, "status": status,
@@ -299,9 +203,9 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
 
 def _status(target: str) -> dict[str, Any]:
     from ddiloco.core.config import to_dict
-    from ddiloco.protocol.status import fetch_status
+    from ddiloco.protocol.client import get_status
 
-    return to_dict(fetch_status(target))
+    return to_dict(asyncio.run(get_status(target)))
 
 
 def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -313,6 +217,10 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
     merge_log = load_jsonl(out / "merges.jsonl") if (out / "merges.jsonl").exists() else []
     fleet = fleet_summary(logs, merge_log)
+    if run["mode"] == "dp":
+        # One process training the one model: every step is in the model when it ends. There is
+        # nothing to merge, so the merge-based measures do not apply.
+        fleet.update(learner_goodput=fleet.get("compute_share"), global_downtime_s=0.0, max_merge_gap_s=None)
     # over every incarnation: a restarted learner counts its steps from 1 again
     tokens = int(fleet.get("tokens") or 0)
     steps = int(fleet.get("steps") or 0)
@@ -329,7 +237,7 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         "merges": sum(1 for e in merge_log if e.get("event") == "merge"),
         "final_eval_loss": result["final_eval_loss"],
         "unigram_baseline_loss": unigram_entropy(load_corpus(data_cfg).eval),
-        "global_eval": [[t, loss] for t, loss in global_eval_curve(out)],
+        "global_eval": [[t, loss] for t, loss in read_curve(out)],
         "learner_goodput": fleet.get("learner_goodput"),
         "global_downtime_s": fleet.get("global_downtime_s"),
         "max_merge_gap_s": fleet.get("max_merge_gap_s"),
@@ -457,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ddiloco.lab.plots import plot_run
 
-        plot_run(out, out, global_eval=[*global_eval_curve(out), (summary["tokens"], summary["final_eval_loss"])])
+        plot_run(out, out, global_eval=read_curve(out))
     except Exception as exc:  # plots are a convenience; the summary is the contract
         print(f"ddiloco run: plotting failed: {exc}", file=sys.stderr)
     print(json.dumps({k: summary[k] for k in ("mode", "learners", "steps", "tokens", "merges", "final_eval_loss",

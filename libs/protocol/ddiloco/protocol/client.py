@@ -1,10 +1,12 @@
-"""The learner's end of the wire: one Sync stream plus FetchState, over grpc.aio.
+"""The one client of the synchronizer service, over grpc.aio: channels, the Sync stream, reads.
 
-``SyncStream`` speaks dataclasses: ``open(hello) -> Welcome``, ``send_transfer(chunks)``,
-``send(heartbeat | goodbye)``, ``receive() -> Transfer | ContributionResult | Resync | Drain``
-(chunks are reassembled and verified here), and ``fetch_state()``. It holds no policy: retries,
-backoff and what to do with messages belong to the communication thread that owns it. Scripted
-test learners use it directly.
+Every caller goes through here (the learner's communication thread, ``ddiloco status``, the
+lab's evaluator, scripted test learners), so TLS, bearer tokens, message limits and keepalive
+are set up one way. ``SyncStream`` speaks dataclasses: ``open(hello) -> Welcome``,
+``send_transfer(chunks)``, ``send(heartbeat | goodbye)``, ``receive() -> Transfer |
+ContributionResult | Resync | Drain`` (chunks are reassembled and verified here), and
+``fetch_state()``. It holds no policy: retries, backoff and what to do with messages belong to
+the caller. ``fetch_state`` and ``get_status`` are one-shot reads on a channel of their own.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import grpc
 
 from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer
 from ddiloco.protocol import wire
+from ddiloco.protocol.credentials import Credentials, bearer_metadata
 
 KEEPALIVE_S = 20.0
 
@@ -42,22 +45,26 @@ class StreamClosed(Exception):
         self.code, self.details = code, details
 
 
-def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    return (("authorization", f"Bearer {token}"),) if token else None
+def check_target(target: str) -> str:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``), or ValueError: gRPC would dial port 443 without one."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or (
+            ":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise ValueError(f"synchronizer address must be HOST:PORT (IPv6: [ADDR]:PORT), got {target!r}")
+    return target
 
 
-def open_channel(target: str, *, max_message_bytes: int, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> grpc.aio.Channel:
+def open_channel(target: str, *, max_message_bytes: int, credentials: Credentials | None = None) -> grpc.aio.Channel:
     options = client_options(max_message_bytes)
-    if tls_ca:
-        def read(path: str | None) -> bytes | None:
-            if path is None:
-                return None
-            with open(path, "rb") as f:
-                return f.read()
-        creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
-        return grpc.aio.secure_channel(target, creds, options=options)
-    return grpc.aio.insecure_channel(target, options=options)
+    creds = credentials.channel_credentials() if credentials is not None else None
+    if creds is not None:
+        return grpc.aio.secure_channel(check_target(target), creds, options=options)
+    return grpc.aio.insecure_channel(check_target(target), options=options)
+
+
+def message_limit(max_chunk_bytes: int) -> int:
+    """gRPC message limit for a protocol's chunk size: one chunk plus room for its header."""
+    return max_chunk_bytes + (1 << 20)
 
 
 class SyncStream:
@@ -79,7 +86,7 @@ class SyncStream:
         self.bytes_received = 0
 
     async def open(self, hello: wire.Hello, timeout_s: float = 30.0) -> wire.Welcome:
-        self._call = self.stub.Sync(metadata=_metadata(self.token))
+        self._call = self.stub.Sync(metadata=bearer_metadata(self.token))
         await self._write(wire.learner_message_to_pb(hello))
         first = await self._read(timeout_s)
         if not isinstance(first, wire.Welcome):
@@ -166,7 +173,7 @@ class SyncStream:
         reassembler = Reassembler(max_chunk_bytes=self.max_chunk_bytes, max_payload_bytes=1 << 34)
         out = []
         try:
-            async for raw in self.stub.FetchState(req, timeout=timeout_s, metadata=_metadata(self.token)):
+            async for raw in self.stub.FetchState(req, timeout=timeout_s, metadata=bearer_metadata(self.token)):
                 transfer = reassembler.feed(wire.chunk_from_pb(raw))
                 if transfer is not None:
                     out.append(transfer)
@@ -176,5 +183,30 @@ class SyncStream:
         return out
 
     async def status(self, timeout_s: float = 5.0) -> wire.StatusReply:
-        reply = await self.stub.GetStatus(wire.status_request_pb(), timeout=timeout_s, metadata=_metadata(self.token))
+        reply = await self.stub.GetStatus(wire.status_request_pb(), timeout=timeout_s,
+                                          metadata=bearer_metadata(self.token))
         return wire.status_from_pb(reply)
+
+
+async def fetch_state(target: str, *, max_chunk_bytes: int, learner_id: str,
+                      credentials: Credentials | None = None, fragment_ids: tuple[int, ...] = (),
+                      timeout_s: float = 120.0) -> list[Transfer]:
+    """Download current global fragments (all, or ``fragment_ids``) on a channel of its own."""
+    channel = open_channel(target, max_message_bytes=message_limit(max_chunk_bytes), credentials=credentials)
+    try:
+        stream = SyncStream(channel, max_chunk_bytes=max_chunk_bytes,
+                            token=credentials.token if credentials else None)
+        return await stream.fetch_state(learner_id, fragment_ids, timeout_s=timeout_s)
+    finally:
+        await channel.close()
+
+
+async def get_status(target: str, *, credentials: Credentials | None = None, timeout_s: float = 5.0
+                     ) -> wire.StatusReply:
+    """A synchronizer's live state (GetStatus) on a channel of its own."""
+    channel = open_channel(target, max_message_bytes=4 << 20, credentials=credentials)
+    try:
+        stream = SyncStream(channel, max_chunk_bytes=1024, token=credentials.token if credentials else None)
+        return await stream.status(timeout_s)
+    finally:
+        await channel.close()

@@ -1,9 +1,16 @@
-"""``ddiloco status --synchronizer HOST:PORT [--json]``: a synchronizer's live state."""
+"""``ddiloco status --synchronizer HOST:PORT [--json]``: a synchronizer's live state.
+
+Speaks to a plaintext, TLS or mutual-TLS synchronizer (``--tls-ca``, ``--tls-cert``,
+``--tls-key``). A bearer token is read from ``--token-file`` or ``$DDILOCO_TOKEN``, never from the
+command line (where ``ps`` would show it).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import sys
 import time
 
@@ -11,14 +18,10 @@ import grpc
 
 from ddiloco.core.config import to_dict
 from ddiloco.protocol import wire
+from ddiloco.protocol.client import get_status
+from ddiloco.protocol.credentials import Credentials
 
-
-def fetch_status(target: str, timeout_s: float = 5.0, token: str | None = None) -> wire.StatusReply:
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
-    with grpc.insecure_channel(target) as channel:
-        stub = wire.SynchronizerStub(channel)
-        reply = stub.GetStatus(wire.status_request_pb(), timeout=timeout_s, metadata=metadata)
-    return wire.status_from_pb(reply)
+TOKEN_ENV = "DDILOCO_TOKEN"
 
 
 def render(s: wire.StatusReply) -> str:
@@ -47,15 +50,38 @@ def render(s: wire.StatusReply) -> str:
     return "\n".join(lines)
 
 
+def read_token(path: str | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """The bearer token from a file (a mounted Secret) or the environment; None without either."""
+    if path:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from exc
+        if not token:
+            raise ValueError(f"token file {path} is empty")
+        return token
+    return environ.get(TOKEN_ENV) or None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddiloco status", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ddiloco status", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synchronizer", required=True, help="HOST:PORT")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--timeout", type=float, default=5.0)
-    parser.add_argument("--token", help="bearer token, when the synchronizer requires one")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    parser.add_argument("--tls-ca", help="PEM CA bundle that verifies the synchronizer (enables TLS)")
+    parser.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", help="PEM client key (mutual TLS)")
+    parser.add_argument("--token-file", help=f"file holding a bearer token (default: ${TOKEN_ENV})")
     args = parser.parse_args(argv)
     try:
-        status = fetch_status(args.synchronizer, args.timeout, args.token)
+        creds = Credentials(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                            token=read_token(args.token_file))
+        status = asyncio.run(get_status(args.synchronizer, credentials=creds, timeout_s=args.timeout))
+    except ValueError as exc:
+        print(f"ddiloco status: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:
         print(f"ddiloco status: cannot reach {args.synchronizer}: {exc.code().name}: {exc.details()}",
               file=sys.stderr)

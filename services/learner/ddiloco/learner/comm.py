@@ -36,7 +36,7 @@ from ddiloco.fragments.payload import decode_fragment, encode_fragment
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
 from ddiloco.protocol import wire
-from ddiloco.protocol.client import StreamClosed, SyncStream, open_channel
+from ddiloco.protocol.client import StreamClosed, SyncStream, message_limit, open_channel
 
 
 @dataclass
@@ -275,8 +275,8 @@ class Comm:
 
     async def _session(self) -> None:
         cfg = self.cfg
-        channel = open_channel(cfg.synchronizer, max_message_bytes=cfg.protocol.max_chunk_bytes + (1 << 20),
-                               tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        channel = open_channel(cfg.synchronizer, max_message_bytes=message_limit(cfg.protocol.max_chunk_bytes),
+                               credentials=cfg.credentials)
         stream = SyncStream(channel, max_chunk_bytes=cfg.protocol.max_chunk_bytes, token=cfg.token)
         tasks: list[asyncio.Task[Any]] = []
         try:

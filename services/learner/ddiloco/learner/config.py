@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ddiloco.core.config import ProtocolConfig, build, protocol_for_mode, read_config_file
 from ddiloco.learner.data import DataConfig
 from ddiloco.learner.model import ModelConfig
+from ddiloco.protocol.credentials import Credentials
 
 APPLY_POLICIES = ("overwrite", "mix", "replay")
 
@@ -121,6 +122,10 @@ class LearnerConfig:
         if self.codec not in ("bf16_zstd", "fp32", "int8_block"):
             raise ValueError(f"unknown codec {self.codec!r}")
         self.data.check_model(self.model)
+
+    @property
+    def credentials(self) -> Credentials:
+        return Credentials(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, token=self.token)
 
     @property
     def resolved_id(self) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.core.config import ProtocolConfig
+from ddiloco.protocol.client import message_limit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +134,7 @@ class SynchronizerConfig:
     @property
     def max_message_bytes(self) -> int:
         """gRPC message limit: one chunk plus generous room for its header."""
-        return self.protocol.max_chunk_bytes + 1024 * 1024
+        return message_limit(self.protocol.max_chunk_bytes)
 
 
 def with_mode(cfg: SynchronizerConfig, mode: str) -> SynchronizerConfig:

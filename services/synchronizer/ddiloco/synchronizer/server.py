@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ddiloco.fragments.chunking import Chunk, Reassembler
 from ddiloco.fragments.errors import ChunkError, FragmentError
 from ddiloco.protocol import wire
+from ddiloco.protocol.credentials import read_pem, token_from_metadata
 from ddiloco.synchronizer.broadcast import GlobalTransfer
 from ddiloco.synchronizer.config import SynchronizerConfig
 from ddiloco.synchronizer.engine import Engine, Refused
@@ -80,13 +81,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if token in self.ids_by_token:
             return await continuation(details)
         return _deny_handler(details.method)
-
-
-def token_from_metadata(metadata: Any) -> str:
-    for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer "):]
-    return ""
 
 
 def _deny_handler(method: str) -> grpc.RpcMethodHandler:
@@ -271,11 +265,7 @@ class SynchronizerServer:
 
 
 def _server_credentials(cfg: SynchronizerConfig) -> grpc.ServerCredentials:
-    def read(path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
-
     assert cfg.tls_cert and cfg.tls_key
-    root = read(cfg.tls_client_ca) if cfg.tls_client_ca else None
-    return grpc.ssl_server_credentials([(read(cfg.tls_key), read(cfg.tls_cert))], root_certificates=root,
+    root = read_pem(cfg.tls_client_ca) if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read_pem(cfg.tls_key), read_pem(cfg.tls_cert))], root_certificates=root,
                                        require_client_auth=root is not None)
