@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from ddiloco.algorithm.policies import QuorumPolicy
-from ddiloco.core.config import ProtocolConfig
 from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import SyncStream, message_limit, open_channel
+from ddiloco.protocol.config import ProtocolConfig
 from ddiloco.synchronizer.config import SynchronizerConfig
 from ddiloco.synchronizer.server import SynchronizerServer
 

@@ -347,7 +347,7 @@ def test_load_run_dir_sorts_logs_by_content(tmp_path: Path) -> None:
     (tmp_path / "learners").mkdir()
     _write(tmp_path / "learners" / "0.jsonl", all_merged(3, lid="l0"))
     _write(tmp_path / "learners" / "1.jsonl", [*steps(2)])
-    _write(tmp_path / "merges.jsonl", [merge(3.0), {"event": "sync_start", "t": 0.0}])
+    _write(tmp_path / "synchronizer.jsonl", [merge(3.0), {"event": "sync_start", "t": 0.0}])
     _write(tmp_path / "other.jsonl", [{"event": "metric", "t": 0.0}])
     logs = load_run_dir(tmp_path)
     assert sorted(logs.learners) == ["1", "l0"]

@@ -61,7 +61,7 @@ def test_decoupled_run_with_two_learners(tmp_path):
         assert key in s, key
     assert (s["mode"], s["learners"], s["steps"]) == ("decoupled", 2, 120)
     assert s["tokens"] == 120 * 8 * 32
-    merges = [e for e in load_jsonl(out / "merges.jsonl") if e["event"] == "merge"]
+    merges = [e for e in load_jsonl(out / "synchronizer.jsonl") if e["event"] == "merge"]
     assert s["merges"] == len(merges) > 0
     assert {e["fragment"] for e in merges} == {0, 1, 2, 3}, "every fragment's version must advance"
     assert s["final_eval_loss"] < _first_loss(out) - 1.0 and math.isfinite(s["final_eval_loss"])
@@ -149,7 +149,7 @@ def test_late_learner_fetches_state_and_contributes(tmp_path):
     try:
         sync = subprocess.Popen([*cli, "synchronizer", "--listen", "127.0.0.1:0", "--state-dir",
                                  str(tmp_path / "state"), "--config", str(cfg), "--ready-file", str(ready),
-                                 "--merge-log", str(tmp_path / "merges.jsonl")],
+                                 "--event-log", str(tmp_path / "synchronizer.jsonl")],
                                 stderr=open(tmp_path / "sync.log", "wb"), env=env)  # noqa: SIM115
         procs.append(sync)
         deadline = time.monotonic() + 60
@@ -161,12 +161,12 @@ def test_late_learner_fetches_state_and_contributes(tmp_path):
         def learner(i: int, steps: int) -> subprocess.Popen:
             return subprocess.Popen([*cli, "learner", "--synchronizer", target, "--learner-id", f"learner-{i}",
                                      "--config", str(cfg), "--steps", str(steps), "--threads", "1",
-                                     "--metrics-file", str(tmp_path / f"learner-{i}.jsonl")],
+                                     "--event-log", str(tmp_path / f"learner-{i}.jsonl")],
                                     stderr=open(tmp_path / f"learner-{i}.log", "wb"), env=env)
 
         first = learner(0, 100_000)  # runs until drained below
         procs.append(first)
-        while len([e for e in load_jsonl(tmp_path / "merges.jsonl") if e.get("event") == "merge"]) < 12:
+        while len([e for e in load_jsonl(tmp_path / "synchronizer.jsonl") if e.get("event") == "merge"]) < 12:
             assert first.poll() is None, "first learner ended before the late one joined"
             assert time.monotonic() < deadline + 60
             time.sleep(0.1)

@@ -81,7 +81,7 @@ def test_plot_run_from_run_dir_with_summary(tmp_path: Path) -> None:
     learners = {"a": _learner("a"), "b": _learner("b")}
     for lid, events in learners.items():
         (run / f"learner-{lid}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (run / "merges.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _merges()))
+    (run / "synchronizer.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _merges()))
     summary = fleet_summary(learners, _merges())
     written = plot_run(run, run, summary=summary)
     for name in PLOT_FILES:

@@ -117,7 +117,7 @@ async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anc
     # grace = clamp(0.9 * (tau=1 * step 1.5 s - 0 - sync), 0, 5) ~ 1.35 s
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.9, max_grace_s=5.0),
                       stale_round_s=0.2, outer_lr=0.7, outer_momentum=0.9, stale_anchor=anchor,
-                      scale_by_participation=scaled, merge_log=str(tmp_path / "merges.jsonl"))
+                      scale_by_participation=scaled, event_log=str(tmp_path / "synchronizer.jsonl"))
     async with running_server(cfg) as server:
         a, b, c = await _ready(server, "a", "b", "c", step_time_s=1.5)
         theta0 = server.engine.fragments[0].params.clone()
@@ -153,7 +153,7 @@ async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anc
         buf = 0.9 * buf + d2
         expect2 = theta1 - 0.7 * (d2 + 0.9 * buf)
         torch.testing.assert_close(server.engine.fragments[0].params, expect2, rtol=1e-5, atol=1e-7)
-        merges = [json.loads(line) for line in (tmp_path / "merges.jsonl").read_text().splitlines()]
+        merges = [json.loads(line) for line in (tmp_path / "synchronizer.jsonl").read_text().splitlines()]
         assert [m["scale"] for m in merges if m["event"] == "merge"] == (
             [pytest.approx(2 / 3), pytest.approx(1 / 3)] if scaled else [1.0, 1.0])
         for lr in (a, b, c):

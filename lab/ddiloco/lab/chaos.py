@@ -1,6 +1,9 @@
 """Fault plans and the driver that injects them into a local run.
 
-A ``FaultPlan`` is a list of timed events (seconds after every learner has started training):
+A ``FaultPlan`` is a list of events, each due at a time (``at_s``: seconds after every learner
+has started training) or at a step (``at_step``: once the target learner, or for faults without
+a target the most advanced learner, has completed that many inner steps; steps do not depend on
+how fast this machine happens to be):
 
 - ``kill``: SIGKILL a learner; with ``restart_after_s`` it is started again (same id, or a new one
   with ``new_id``) and runs the steps it had left;
@@ -15,33 +18,38 @@ A ``FaultPlan`` is a list of timed events (seconds after every learner has start
 Plans come from a YAML/JSON file (``events: [{at_s, kind, target, ...}]``), from a shorthand
 ``random:mtbf=30s,seed=7[,duration=300s][,kinds=kill+stop+net+sync]`` (exponential gaps with the
 given mean, targets and kinds drawn from the seed, at least one synchronizer kill when ``sync`` is
-among the kinds), or from the builder: ``FaultPlan().kill("learner-1", at_s=30, restart_after_s=5)``.
+among the kinds), or from the builder: ``FaultPlan().kill("learner-1", at_step=30, restart_after_s=5)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-from ddiloco.core.config import read_config_file
+from pydantic.dataclasses import dataclass as config_dataclass
 
-KINDS = ("kill", "stop", "kill_synchronizer", "net", "scale_up", "drain")
+from ddiloco.core.config import STRICT, build, read_file
+
+Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain"]
+KINDS: tuple[str, ...] = get_args(Kind)
 NET_FAULTS = ("latency", "bandwidth", "stall", "blackhole", "reset")
 
 
-@dataclass(frozen=True, kw_only=True)
+@config_dataclass(frozen=True, kw_only=True, config=STRICT)
 class FaultEvent:
-    at_s: float
-    """Seconds after training started."""
-    kind: str
-    """One of KINDS."""
+    kind: Kind
+    """What to break (see the module docstring)."""
+    at_s: float | None = None
+    """Due this many seconds after training started (or give ``at_step``)."""
+    at_step: int | None = None
+    """Due once the target learner (without a target: the most advanced learner) has completed
+    this many inner steps, over all its incarnations (or give ``at_s``)."""
     target: str = ""
     """Learner id (kill, stop, net, drain); ignored for kill_synchronizer and scale_up."""
     duration_s: float = 0.0
@@ -57,9 +65,11 @@ class FaultEvent:
     """net latency: seconds; net bandwidth: bytes per second."""
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown fault kind {self.kind!r}; known: {', '.join(KINDS)}")
-        if self.at_s < 0 or self.duration_s < 0 or (self.restart_after_s is not None and self.restart_after_s < 0):
+        if (self.at_s is None) == (self.at_step is None):
+            raise ValueError("a fault is due either at_s or at_step (exactly one)")
+        if (self.at_s is not None and self.at_s < 0) or (self.at_step is not None and self.at_step < 1):
+            raise ValueError("at_s must be >= 0 and at_step >= 1")
+        if self.duration_s < 0 or (self.restart_after_s is not None and self.restart_after_s < 0):
             raise ValueError("fault times must be >= 0")
         if self.kind in ("kill", "stop", "drain", "net") and not self.target:
             raise ValueError(f"a {self.kind} fault needs a target learner id")
@@ -73,38 +83,39 @@ class FaultPlan:
 
     # -- builder --------------------------------------------------------------------------
 
-    def kill(self, target: str, *, at_s: float, restart_after_s: float | None = 2.0, new_id: bool = False) -> FaultPlan:
-        self.events.append(FaultEvent(at_s=at_s, kind="kill", target=target, restart_after_s=restart_after_s,
-                                      new_id=new_id))
+    def kill(self, target: str, *, at_s: float | None = None, at_step: int | None = None,
+             restart_after_s: float | None = 2.0, new_id: bool = False) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="kill", target=target,
+                                      restart_after_s=restart_after_s, new_id=new_id))
         return self
 
-    def stop(self, target: str, *, at_s: float, duration_s: float) -> FaultPlan:
-        self.events.append(FaultEvent(at_s=at_s, kind="stop", target=target, duration_s=duration_s))
+    def stop(self, target: str, *, at_s: float | None = None, at_step: int | None = None,
+             duration_s: float) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="stop", target=target, duration_s=duration_s))
         return self
 
-    def kill_synchronizer(self, *, at_s: float, restart_after_s: float = 1.0) -> FaultPlan:
-        self.events.append(FaultEvent(at_s=at_s, kind="kill_synchronizer", restart_after_s=restart_after_s))
+    def kill_synchronizer(self, *, at_s: float | None = None, at_step: int | None = None,
+                          restart_after_s: float = 1.0) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="kill_synchronizer",
+                                      restart_after_s=restart_after_s))
         return self
 
-    def net(self, target: str, fault: str, *, at_s: float, duration_s: float = 0.0, value: float = 0.0) -> FaultPlan:
-        self.events.append(FaultEvent(at_s=at_s, kind="net", target=target, net=fault, duration_s=duration_s,
-                                      value=value))
+    def net(self, target: str, fault: str, *, at_s: float | None = None, at_step: int | None = None,
+            duration_s: float = 0.0, value: float = 0.0) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="net", target=target, net=fault,
+                                      duration_s=duration_s, value=value))
         return self
 
-    def scale_up(self, *, at_s: float) -> FaultPlan:
-        self.events.append(FaultEvent(at_s=at_s, kind="scale_up"))
+    def scale_up(self, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="scale_up"))
         return self
 
-    def drain(self, target: str, *, at_s: float) -> FaultPlan:
-        self.events.append(FaultEvent(at_s=at_s, kind="drain", target=target))
+    def drain(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="drain", target=target))
         return self
-
-    @property
-    def needs_proxy(self) -> bool:
-        return any(e.kind == "net" for e in self.events)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"events": [dataclasses.asdict(e) for e in sorted(self.events, key=lambda e: e.at_s)]}
+        return {"events": [dataclasses.asdict(e) for e in self.events]}
 
     # -- parsing --------------------------------------------------------------------------
 
@@ -113,20 +124,11 @@ class FaultPlan:
         """A plan from a file path or a ``random:`` shorthand."""
         if spec.startswith("random"):
             return cls.random_plan(spec, learners=learners, duration_s=duration_s)
-        data = read_config_file(spec)
+        data = read_file(spec)
         events = data.get("events")
-        if not isinstance(events, list):
-            raise ValueError(f"fault plan {spec} needs a list 'events'")
-        known = {f.name for f in dataclasses.fields(FaultEvent)}
-        out = []
-        for i, e in enumerate(events):
-            if not isinstance(e, dict):
-                raise ValueError(f"fault plan {spec}: event {i} is not a mapping")
-            unknown = sorted(set(e) - known)
-            if unknown:
-                raise ValueError(f"fault plan {spec}: event {i} has unknown keys {unknown}; known: {sorted(known)}")
-            out.append(FaultEvent(**e))
-        return cls(out)
+        if not isinstance(events, list) or set(data) != {"events"}:
+            raise ValueError(f"fault plan {spec} must hold exactly a list 'events'")
+        return cls([build(FaultEvent, e, f"fault plan {spec}: events[{i}]") for i, e in enumerate(events)])
 
     @classmethod
     def random_plan(cls, spec: str, *, learners: list[str], duration_s: float) -> FaultPlan:
@@ -173,11 +175,18 @@ def parse_seconds(text: str) -> float:
 class ChaosDriver:
     """Runs a plan against a live run on its own thread; records what it did, when."""
 
+    POLL_S = 0.05
+    """How often step-keyed events are checked against the learners' progress."""
+
     def __init__(self, plan: FaultPlan, actions: dict[str, Callable[[FaultEvent], None]],
-                 log: Callable[[dict[str, Any]], None]) -> None:
+                 log: Callable[[dict[str, Any]], None], progress: Callable[[str], int] | None = None) -> None:
+        """``progress(learner_id)``: inner steps that learner completed ("" : the most advanced one)."""
+        if progress is None and any(e.at_step is not None for e in plan.events):
+            raise ValueError("a plan with step-keyed events needs the learners' progress")
         self.plan = plan
         self.actions = actions
         self.log = log
+        self.progress = progress
         self.injected: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="chaos", daemon=True)
@@ -200,22 +209,31 @@ class ChaosDriver:
         self._timers.append(timer)
         timer.start()
 
+    def _due(self, event: FaultEvent) -> bool:
+        if event.at_s is not None:
+            return time.time() >= self.started + event.at_s
+        assert self.progress is not None and event.at_step is not None
+        return self.progress(event.target) >= event.at_step
+
     def _main(self) -> None:
-        for event in sorted(self.plan.events, key=lambda e: e.at_s):
-            wait = self.started + event.at_s - time.time()
-            if wait > 0 and self._stop.wait(wait):
-                return
-            record = {"event": "fault", "t": time.time(), **dataclasses.asdict(event)}
-            try:
-                self.actions[event.kind](event)
-                record["ok"] = True
-            except Exception as exc:  # a fault that cannot be injected is recorded, not fatal
-                record["ok"] = False
-                record["error"] = str(exc)
-            self.injected.append(record)
-            self.log(record)
+        pending = list(self.plan.events)
+        while pending:
+            due = [e for e in pending if self._due(e)]
+            if not due:
+                if self._stop.wait(self.POLL_S):
+                    return
+                continue
+            for event in due:
+                pending.remove(event)
+                self._inject(event)
 
-
-def write_plan(plan: FaultPlan, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(plan.to_dict(), f, indent=1)
+    def _inject(self, event: FaultEvent) -> None:
+        record = {"event": "fault", "t": time.time(), **dataclasses.asdict(event)}
+        try:
+            self.actions[event.kind](event)
+            record["ok"] = True
+        except Exception as exc:  # a fault that cannot be injected is recorded, not fatal
+            record["ok"] = False
+            record["error"] = str(exc)
+        self.injected.append(record)
+        self.log(record)

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
+from ddiloco.lab.goodput import Tail
 
 
 def _cli() -> list[str]:
@@ -47,6 +48,9 @@ class LocalCluster:
         self.pending_restarts = 0
         self.lock = threading.Lock()
         self.driver: ChaosDriver | None = None
+        self._tail_lock = threading.Lock()
+        self._tails: dict[str, Tail] = {}
+        self._last_step: dict[str, dict[int, int]] = {}
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "logs").mkdir(exist_ok=True)
 
@@ -67,7 +71,7 @@ class LocalCluster:
         listen = f"127.0.0.1:{self.port}"
         proc = self._spawn("synchronizer", [
             *_cli(), "synchronizer", "--listen", listen, "--state-dir", str(self.out / "state"),
-            "--config", str(self.cfg_path), "--merge-log", str(self.out / "merges.jsonl"), "--ready-file", str(ready)])
+            "--config", str(self.cfg_path), "--event-log", str(self.out / "synchronizer.jsonl"), "--ready-file", str(ready)])
         deadline = time.monotonic() + 120
         while not ready.exists():
             if proc.poll() is not None:
@@ -98,7 +102,7 @@ class LocalCluster:
         self._spawn(lid, [*_cli(), "learner", "--synchronizer", self.learner_target(lid), "--learner-id", lid,
                           "--config", str(self.cfg_path), "--shard", str(i % shards), "--num-shards", str(shards),
                           "--threads", str(self.threads), "--steps", str(steps or self.steps),
-                          "--metrics-file", str(self.out / "learners" / f"{lid}.jsonl")])
+                          "--event-log", str(self.out / "learners" / f"{lid}.jsonl")])
 
     def learners(self) -> list[str]:
         return [name for name in self.procs if name != "synchronizer"]
@@ -107,17 +111,20 @@ class LocalCluster:
         return [lid for lid in self.learners() if self.procs[lid].poll() is None]
 
     def steps_done(self, lid: str) -> int:
-        """Steps ``lid`` completed over all its incarnations (from its event log)."""
-        from ddiloco.lab.goodput import load_jsonl
+        """Steps ``lid`` completed over all its incarnations (read on from its event log)."""
+        with self._tail_lock:
+            tail = self._tails.setdefault(lid, Tail(self.out / "learners" / f"{lid}.jsonl"))
+            last = self._last_step.setdefault(lid, {})
+            for e in tail.read():
+                if e.get("event") == "step":
+                    last[e["incarnation"]] = e["step"]
+            return sum(last.values())
 
-        path = self.out / "learners" / f"{lid}.jsonl"
-        if not path.exists():
-            return 0
-        last: dict[int, int] = {}
-        for e in load_jsonl(path):
-            if e["event"] == "step":
-                last[e["incarnation"]] = e["step"]
-        return sum(last.values())
+    def _progress(self, lid: str) -> int:
+        """Steps ``lid`` completed; "" : the most advanced learner's."""
+        if lid:
+            return self.steps_done(lid)
+        return max((self.steps_done(other) for other in self.learners()), default=0)
 
     def finished(self) -> bool:
         with self.lock:
@@ -153,7 +160,7 @@ class LocalCluster:
 
         self.driver = ChaosDriver(self.plan, {
             "kill": self._kill, "stop": self._stop, "kill_synchronizer": self._kill_synchronizer,
-            "net": self._net, "scale_up": self._scale_up, "drain": self._drain}, log)
+            "net": self._net, "scale_up": self._scale_up, "drain": self._drain}, log, progress=self._progress)
         self.driver.start()
 
     def _proc(self, lid: str) -> subprocess.Popen[bytes]:
@@ -198,7 +205,7 @@ class LocalCluster:
         proc = self._proc("synchronizer")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        with open(self.out / "merges.jsonl", "a") as f:
+        with open(self.out / "synchronizer.jsonl", "a") as f:
             # no leading newline: a line the killed process left half-written is recovered by the reader
             f.write(json.dumps({"event": "sync_stop", "t": time.time()}) + "\n")
         self._restart_later(e.restart_after_s if e.restart_after_s is not None else 1.0, self.start_synchronizer)

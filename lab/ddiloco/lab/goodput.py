@@ -24,6 +24,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -73,6 +74,30 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{i + 1}: malformed JSON Lines record: {line[:80]!r}")
         events.append(record)
     return events
+
+
+class Tail:
+    """Incrementally reads the complete lines of a growing JSON Lines file (a live run's logs)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+        return out
 
 
 def _parse_record(line: str) -> dict[str, Any] | None:

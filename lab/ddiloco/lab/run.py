@@ -7,7 +7,7 @@ end fetches the global model over gRPC to evaluate it. ``--mode dp`` is the data
 reference instead: one process training one model on the combined batch for the same number of
 steps (the same tokens).
 
-The run folder holds ``config.yaml``, ``summary.json``, ``merges.jsonl`` (synchronizer),
+The run folder holds ``config.yaml``, ``summary.json``, ``synchronizer.jsonl`` (synchronizer),
 ``learners/*.jsonl`` (one per learner), process logs, the synchronizer's state dir, and PNG plots.
 """
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import copy
 import json
 import pathlib
 import signal
@@ -26,100 +24,10 @@ from typing import Any
 
 import yaml
 
-from ddiloco.core.config import read_config_file
 from ddiloco.lab.chaos import FaultPlan
 from ddiloco.lab.global_eval import EvalCurve, GlobalModelEval, read_curve
-
-MODES = ("decoupled", "streaming", "diloco", "dp")
-
-DEFAULTS: dict[str, Any] = {
-    "run": {"learners": 3, "steps": 600, "mode": "decoupled", "seed": 0, "final_eval_batches": 32,
-            "global_eval_every_s": 20.0},
-    "protocol": {"num_fragments": 24, "sync_every": 24, "overlap": 2},
-    "model": {},
-    "data": {"batch_size": 16, "context": 128},
-    "train": {"eval_every": 0, "eval_batches": 8},
-    "learner": {},
-    # Quorum 0: a merge waits for every live learner's fresh contribution (learners never wait;
-    # timeout_s bounds a merge's wait, heartbeats drop a stalled learner from "live"). With quorum 1
-    # and the short adaptive grace, learners sharing a machine drift apart and about half of all
-    # contributions arrived stale: eval loss 2.020 / 2.042 against 1.859 / 1.863 (docs/design-notes.md).
-    # (decoupled only: resolve() adds timeout_s 20; streaming and diloco keep their presets')
-    "synchronizer": {"policy": {"quorum": 0, "grace_gamma": 0.8, "max_grace_s": 5.0}},
-}
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in (extra or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def resolve(args: argparse.Namespace) -> dict[str, Any]:
-    """Defaults, then the config file, then flags."""
-    doc = _merge(DEFAULTS, read_config_file(args.config))
-    run = doc["run"]
-    for key in ("learners", "steps", "mode", "seed"):
-        value = getattr(args, key)
-        if value is not None:
-            run[key] = value
-    if run["mode"] not in MODES:
-        raise ValueError(f"--mode must be one of {MODES}, got {run['mode']!r}")
-    if int(run["learners"]) < 1 or int(run["steps"]) < 1:
-        raise ValueError("--learners and --steps must be >= 1")
-    every = run.get("global_eval_every_s", 0)
-    if not isinstance(every, int | float) or isinstance(every, bool) or every < 0:
-        raise ValueError(f"run.global_eval_every_s must be a number >= 0 (0: off), got {every!r}")
-    doc["train"]["steps"] = int(run["steps"])
-    doc["train"]["seed"] = int(run["seed"])
-    doc["data"]["seed"] = int(run["seed"])
-    doc["protocol"]["mode"] = "decoupled" if run["mode"] == "dp" else run["mode"]
-    if run["mode"] == "decoupled":
-        policy = doc["synchronizer"].setdefault("policy", {})
-        if isinstance(policy, dict):
-            policy.setdefault("timeout_s", 20.0)
-    return doc
-
-
-def _validate(doc: dict[str, Any]) -> None:
-    """Build every component config once so a bad file fails before any process starts."""
-    from ddiloco.core.config import build
-    from ddiloco.learner.config import load_learner_config
-    from ddiloco.synchronizer.config import SynchronizerConfig
-
-    tmp = pathlib.Path(doc["_path"])
-    load_learner_config(str(tmp), synchronizer="127.0.0.1:1", learner_id="learner-0")
-    section = dict(doc.get("synchronizer") or {})
-    section.setdefault("protocol", doc["protocol"])
-    build(SynchronizerConfig, section, "synchronizer")
-
-
-class Tail:
-    """Incrementally reads complete lines of a growing JSON Lines file."""
-
-    def __init__(self, path: pathlib.Path) -> None:
-        self.path, self.offset, self.partial = path, 0, b""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        data = self.partial + data
-        lines = data.split(b"\n")
-        self.partial = lines.pop()
-        out = []
-        for line in lines:
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-        return out
+from ddiloco.lab.goodput import Tail
+from ddiloco.lab.run_config import RUN_MODES, resolve, validate
 
 
 def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
@@ -146,7 +54,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         joined: set[str] = set()
         chaos_started_t: float | None = None
         tails: dict[str, Tail] = {}
-        merges_tail = Tail(out / "merges.jsonl")
+        merges_tail = Tail(out / "synchronizer.jsonl")
         bar = tqdm(total=n * steps, unit="step", disable=not show_progress, dynamic_ncols=True,
                    desc=f"{run['mode']} x{n}" + (" chaos" if plan else ""))
         done: dict[tuple[str, int], int] = {}
@@ -215,7 +123,7 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
 
     run = doc["run"]
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
-    merge_log = load_jsonl(out / "merges.jsonl") if (out / "merges.jsonl").exists() else []
+    merge_log = load_jsonl(out / "synchronizer.jsonl") if (out / "synchronizer.jsonl").exists() else []
     fleet = fleet_summary(logs, merge_log)
     if run["mode"] == "dp":
         # One process training the one model: every step is in the model when it ends. There is
@@ -299,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--learners", type=int, help="learner processes (default 3)")
     parser.add_argument("--steps", type=int, help="inner steps per learner (default 600)")
-    parser.add_argument("--mode", choices=MODES, help="decoupled (default), streaming, diloco, or dp (reference)")
+    parser.add_argument("--mode", choices=RUN_MODES, help="decoupled (default), streaming, diloco, or dp (reference)")
     parser.add_argument("--chaos", help="fault plan: a YAML/JSON file or a shorthand like random:mtbf=30s")
     parser.add_argument("--out", help="run folder (default runs/<time>-<mode>)")
     parser.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")
@@ -314,14 +222,14 @@ def main(argv: list[str] | None = None) -> int:
 
     configure(json=True)
     try:
-        doc = resolve(args)
+        run_cfg, doc = resolve(args)
+        validate(doc)
         plan = None
         if args.chaos:
-            if doc["run"]["mode"] == "dp":
+            if run_cfg.mode == "dp":
                 raise ValueError("--chaos needs a distributed mode, not dp")
-            n = int(doc["run"]["learners"])
-            plan = FaultPlan.parse(args.chaos, learners=[f"learner-{i}" for i in range(n)],
-                                   duration_s=float(doc["run"].get("chaos_horizon_s", 300.0)))
+            plan = FaultPlan.parse(args.chaos, learners=[f"learner-{i}" for i in range(run_cfg.learners)],
+                                   duration_s=run_cfg.chaos_horizon_s)
         baseline = load_baseline(args.baseline, doc) if args.baseline not in (None, "auto") else None
     except ValueError as exc:
         print(f"ddiloco run: {exc}", file=sys.stderr)
@@ -330,12 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{mode}")
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump({k: v for k, v in doc.items()}, sort_keys=False))
-    try:
-        _validate({**doc, "_path": str(cfg_path)})
-    except ValueError as exc:
-        print(f"ddiloco run: invalid configuration: {exc}", file=sys.stderr)
-        return 2
+    cfg_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     show = not args.no_progress and sys.stderr.isatty()
     # This process's own log lines (fault proxies, chaos driver) go to the run folder, not over the
     # progress bar; every service process writes its own file under logs/ as well.

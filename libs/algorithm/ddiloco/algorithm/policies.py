@@ -25,8 +25,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic.dataclasses import dataclass as config_dataclass
 
-@dataclass(frozen=True, kw_only=True)
+from ddiloco.core.config import STRICT
+
+
+@config_dataclass(frozen=True, kw_only=True, config=STRICT)
 class QuorumPolicy:
     """When a fragment's round may merge."""
 

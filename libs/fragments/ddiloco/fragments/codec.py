@@ -40,7 +40,7 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, Literal, NamedTuple, Protocol, get_args
 
 import numpy as np
 import torch
@@ -505,7 +505,8 @@ class Int8BlockCodec:
         return _I8_HEAD.size + 4 * (-(-num_values // self.block_size)) + num_values
 
 
-CODEC_NAMES = ("fp32", "bf16_zstd", "int8_block")
+CodecName = Literal["fp32", "bf16_zstd", "int8_block"]
+CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 
 
 def make_codec(name: str, *, zstd_level: int = 1, threads: int = 2, int8_block: int = 256) -> Codec:

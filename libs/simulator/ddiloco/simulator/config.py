@@ -10,10 +10,13 @@ synchronizer's real defaults (K = 1, gamma = 0.8, P = H = 24, tau = 2).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+from pydantic.dataclasses import dataclass
+
 from ddiloco.algorithm import policies
+from ddiloco.core.config import STRICT
 
 YEAR_S = 365.0 * 86400.0
 """One year in seconds: the unit of the per-chip mean time between interruptions."""
@@ -22,7 +25,7 @@ REPAIR_DISTRIBUTIONS = ("exp", "lognormal", "fixed")
 LEARNER_RECOVERIES = ("elastic", "restart")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class SimConfig:
     """One simulated fleet. Times in seconds unless the name says otherwise."""
 

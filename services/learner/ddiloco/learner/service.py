@@ -69,7 +69,7 @@ class Learner:
         p = cfg.protocol
         self.layout = partition_tensors(list(self.params.items()), p.num_fragments)
         self.schedule = FragmentSchedule(num_fragments=p.num_fragments, sync_every=p.sync_every, overlap=p.overlap)
-        self.events = EventLog(cfg.metrics_file, learner_id=self.learner_id, incarnation=self.incarnation)
+        self.events = EventLog(cfg.event_log, learner_id=self.learner_id, incarnation=self.incarnation)
         self.base: dict[int, torch.Tensor] = {}
         self.version: dict[int, int] = {}
         self.counters: dict[int, list[int]] = {f.index: [0, 0] for f in self.layout}

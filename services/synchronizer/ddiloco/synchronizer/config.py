@@ -1,21 +1,26 @@
-"""The synchronizer's configuration: one frozen dataclass, validated on construction.
+"""The synchronizer's configuration: one strict config dataclass, validated on construction.
 
-Mode presets (``decoupled``, ``streaming``, ``diloco``) set the quorum policy; explicit values in
-the config file win over a preset's defaults only where the preset leaves them open (the quorum
-of streaming and diloco is always "all live learners").
+Loaded from the ``synchronizer`` and ``protocol`` sections of a config document after the mode
+preset is applied (``ddiloco.core.modes``); a config that contradicts its mode (a streaming
+synchronizer with quorum 1) is refused. Measurements behind the defaults are in
+docs/design-notes.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Any, Literal
+
+from pydantic.dataclasses import dataclass
 
 from ddiloco.algorithm.policies import QuorumPolicy
-from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.config import STRICT, ConfigError, build, check_sections
+from ddiloco.core.modes import apply_mode, preset
 from ddiloco.protocol.client import message_limit
+from ddiloco.protocol.config import ProtocolConfig
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, config=STRICT)
 class SynchronizerConfig:
     """Everything the synchronizer service needs."""
 
@@ -27,42 +32,31 @@ class SynchronizerConfig:
     """Constants shared with the learners (mode, P, H, tau, chunk size, global codec)."""
     policy: QuorumPolicy = field(default_factory=QuorumPolicy)
     """Quorum K, grace gamma and max grace, streaming timeout."""
-    merge_method: str = "rda"
+    merge_method: Literal["rda", "mean"] = "rda"
     """Per-tensor merge: "rda" (radial-directional averaging) or "mean" (weighted mean)."""
     embedding_patterns: tuple[str, ...] = ("*embed*", "*wte*", "*wpe*", "*tok_emb*", "*pos_emb*")
     """fnmatch patterns of tensors always merged with the weighted mean (embeddings)."""
     outer_lr: float = 0.7
     """Outer Nesterov SGD learning rate."""
     outer_momentum: float = 0.5
-    """Outer Nesterov momentum (0 gives plain SGD). DiLoCo uses 0.9 over thousands of outer steps;
-    the default run takes 25 per fragment (600 steps, H = 24) and there high momentum overshoots.
-    ``ddiloco bench quality`` (synchronous, 3 learners, 600 steps, outer lr 0.7; dp 1.655):
-    momentum 0.9 1.910, 0.8 1.830, 0.7 1.794, 0.6 1.781, **0.5 1.776**, 0.4 1.785; outer lr 0.9 is
-    worse at any momentum tried (0.7: 1.894, 0.5: 1.848), outer lr 0.5 with 0.7 gives 1.779. Long
-    runs may want more (docs/results/quality.json has the sweep; rerun it for a new budget)."""
+    """Outer Nesterov momentum (0 gives plain SGD). DiLoCo's 0.9 assumes thousands of outer steps;
+    with a few dozen per fragment (the default run's budget) high momentum overshoots. Long runs
+    may want more: ``ddiloco bench quality`` sweeps it for a budget."""
     staleness_window: int = 4
     """Versions behind the current one a contribution may be and still be re-anchored."""
-    stale_anchor: str = "point"
-    """How a contribution computed against an older version joins a merge. "point" (default): it
-    is re-anchored to the learner's model, Delta + Theta_now - Theta_base (needs the base version
-    retained), so it pulls the global toward where that learner actually is. "delta": its Delta is
-    applied at the current version as is (a delayed outer gradient, as in asynchronous
-    Local-SGD). Measured in the single-process reference (3 learners, one always a round late, momentum
-    0.9, mean merge): point 1.901, delta 2.099, nobody late 1.949; delta with small merges and Nesterov momentum
-    also diverged in the chaos tests. See docs/design-notes.md."""
+    stale_anchor: Literal["point", "delta"] = "point"
+    """How a contribution computed against an older version joins a merge. "point": re-anchored to
+    the learner's model, Delta + Theta_now - Theta_base (needs the base version retained), so it
+    pulls the global toward where that learner actually is. "delta": its Delta is applied at the
+    current version as is (a delayed outer gradient, as in asynchronous Local-SGD)."""
     scale_by_participation: bool = False
-    """Scale a merge's outer gradient by min(1, contributing learners / live learners): a merge that
-    only some learners made is that share of an outer step, so a fleet whose contributions trickle
-    in as many small merges takes about one full step per period instead of one per merge. Off by
-    default: the 3-learner default run with it and delta anchoring ended at 2.19, with neither at
-    2.04 (two changes at once, not separated). It is what keeps "delta" anchoring from diverging
-    when quorum 1 merges learners one by one."""
+    """Scale a merge's outer gradient by min(1, contributing learners / live learners): a merge
+    that only some learners made is that share of an outer step."""
     rejoin_window_s: float = 8.0
     """After a restart on existing state, merges wait up to this long for the learners of the last
     committed merges to reconnect and contribute (each fragment merges as soon as all of them
-    have). Without it the first learner back was merged alone into every fragment, a whole outer
-    step from one learner, and the rest arrived stale: eval loss +17% after two restarts in a
-    default chaos run. It bounds restart-to-first-merge; 0 disables it."""
+    have), so the first learner back is not merged alone as a whole outer step. It bounds
+    restart-to-first-merge; 0 disables it."""
     stale_round_s: float = 30.0
     """Stale contributions alone open a round after waiting this long (normally they join the
     next round that a fresh contribution opens); once every live learner has one waiting, after
@@ -87,8 +81,8 @@ class SynchronizerConfig:
     """Number of synchronizer shards."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (None: off; 0: a free port)."""
-    merge_log: str | None = None
-    """Append one JSON line per merge (and one per start) to this file."""
+    event_log: str | None = None
+    """Append one JSON line per event to this file: each start, merge and rejected contribution."""
     keepalive_time_s: float = 20.0
     """gRPC keepalive ping interval."""
     keepalive_timeout_s: float = 10.0
@@ -107,10 +101,6 @@ class SynchronizerConfig:
     def __post_init__(self) -> None:
         if self.rejoin_window_s < 0:
             raise ValueError(f"rejoin_window_s must be >= 0, got {self.rejoin_window_s}")
-        if self.stale_anchor not in ("delta", "point"):
-            raise ValueError(f"stale_anchor must be 'delta' or 'point', got {self.stale_anchor!r}")
-        if self.merge_method not in ("rda", "mean"):
-            raise ValueError(f"merge_method must be 'rda' or 'mean', got {self.merge_method!r}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError("outer_lr must be > 0 and outer_momentum in [0, 1)")
         if self.staleness_window < 0:
@@ -127,6 +117,15 @@ class SynchronizerConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if ":" not in self.listen:
             raise ValueError(f"listen must be HOST:PORT, got {self.listen!r}")
+        if self.max_learners < 1:
+            raise ValueError(f"max_learners must be >= 1, got {self.max_learners}")
+        p = preset(self.protocol.mode)
+        if p.quorum is not None and self.policy.quorum != p.quorum:
+            raise ValueError(f"{self.protocol.mode} mode merges with quorum {p.quorum} (every live learner), "
+                             f"got policy.quorum {self.policy.quorum}")
+        if p.timeout_s is not None and self.policy.timeout_s is None:
+            raise ValueError(f"{self.protocol.mode} mode needs policy.timeout_s, so one dead learner cannot "
+                             "stall a round that waits for every live learner")
 
     def owns(self, fragment: int) -> bool:
         return fragment % self.shard_count == self.shard_index
@@ -137,12 +136,15 @@ class SynchronizerConfig:
         return message_limit(self.protocol.max_chunk_bytes)
 
 
-def with_mode(cfg: SynchronizerConfig, mode: str) -> SynchronizerConfig:
-    """Apply a mode preset: protocol constants and the quorum policy that goes with them."""
-    from ddiloco.core.config import protocol_for_mode
-
-    protocol = protocol_for_mode(mode, cfg.protocol)
-    policy = cfg.policy
-    if mode in ("streaming", "diloco"):
-        policy = dataclasses.replace(policy, quorum=0, timeout_s=policy.timeout_s or 120.0)
-    return dataclasses.replace(cfg, protocol=protocol, policy=policy)
+def synchronizer_config(document: dict[str, Any], mode: str | None = None, **overrides: Any) -> SynchronizerConfig:
+    """The synchronizer's config from a config document (its ``synchronizer`` and ``protocol``
+    sections, with the mode preset applied; ``mode`` overrides the document's), plus non-None
+    ``overrides`` of top-level fields (command-line flags)."""
+    check_sections(document)
+    doc = apply_mode(document, mode)
+    section = doc.get("synchronizer")
+    if not isinstance(section, dict):
+        raise ConfigError(f"config section synchronizer must be a mapping, got {type(section).__name__}")
+    section = {**section, "protocol": doc["protocol"]}
+    section.update({k: v for k, v in overrides.items() if v is not None})
+    return build(SynchronizerConfig, section, "synchronizer")

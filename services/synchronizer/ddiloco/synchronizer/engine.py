@@ -105,7 +105,7 @@ class Engine:
         self._step_time = RunningAverage(0.2)
         self._quorum_time = RunningAverage(0.2)
         self._sync_time = RunningAverage(0.2)
-        self._merge_log_file = open(cfg.merge_log, "a", buffering=1) if cfg.merge_log else None  # noqa: SIM115
+        self._event_log_file = open(cfg.event_log, "a", buffering=1) if cfg.event_log else None  # noqa: SIM115
         self._log_event({"event": "sync_start", "t": wall(), "synchronizer_id": self.synchronizer_id})
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -182,9 +182,9 @@ class Engine:
             rec.closing.set()
             rec.outbox.wake()
         self.pool.shutdown(wait=True)
-        if self._merge_log_file is not None:
-            self._merge_log_file.close()
-            self._merge_log_file = None
+        if self._event_log_file is not None:
+            self._event_log_file.close()
+            self._event_log_file = None
 
     async def run_blocking(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
@@ -277,8 +277,8 @@ class Engine:
         self._log_event(entry)
 
     def _log_event(self, entry: dict[str, Any]) -> None:
-        if self._merge_log_file is not None:
-            self._merge_log_file.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        if self._event_log_file is not None:
+            self._event_log_file.write(json.dumps(entry, separators=(",", ":")) + "\n")
 
     # -- sessions -------------------------------------------------------------------------
 

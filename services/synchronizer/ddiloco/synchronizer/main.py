@@ -4,31 +4,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import signal
 import sys
 
-from ddiloco.core.config import build, read_config_file
+from ddiloco.core.config import read_document
 from ddiloco.core.logs import configure, get_logger
-from ddiloco.synchronizer.config import SynchronizerConfig, with_mode
+from ddiloco.core.modes import MODES
+from ddiloco.synchronizer.config import SynchronizerConfig, synchronizer_config
 
 
 def config_from_args(args: argparse.Namespace) -> SynchronizerConfig:
-    data = read_config_file(args.config)
-    section = dict(data.get("synchronizer") or {})
-    if "protocol" in data:
-        section.setdefault("protocol", data["protocol"])
-    for key in ("listen", "state_dir", "metrics_port", "merge_log"):
-        value = getattr(args, key)
-        if value is not None:
-            section[key] = value
-    cfg = build(SynchronizerConfig, section, "synchronizer")  # nested sections become their dataclasses
-    mode = args.mode or cfg.protocol.mode
-    cfg = with_mode(cfg, mode)
+    document = read_document(args.config)
     if args.quorum is not None:
-        cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, quorum=args.quorum))
-    return cfg
+        section = dict(document.get("synchronizer") or {})
+        section["policy"] = {**(section.get("policy") or {}), "quorum": args.quorum}
+        document = {**document, "synchronizer": section}
+    return synchronizer_config(document, args.mode, listen=args.listen, state_dir=args.state_dir,
+                               metrics_port=args.metrics_port, event_log=args.event_log)
 
 
 async def serve(cfg: SynchronizerConfig, ready_file: str | None = None) -> int:
@@ -57,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:7000)")
     parser.add_argument("--state-dir", dest="state_dir", help="durable state folder")
     parser.add_argument("--config", help="YAML/JSON config file (sections: synchronizer, protocol)")
-    parser.add_argument("--mode", choices=("decoupled", "streaming", "diloco"), help="mode preset")
+    parser.add_argument("--mode", choices=MODES, help="mode preset (default: the config's protocol.mode)")
     parser.add_argument("--quorum", type=int, help="minimum quorum K (0 = all live learners)")
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port")
-    parser.add_argument("--merge-log", dest="merge_log", help="append one JSON line per merge here")
+    parser.add_argument("--event-log", help="append one JSON line per start, merge and rejection here")
     parser.add_argument("--ready-file", help="write {port, ...} JSON here once serving (for orchestration)")
     args = parser.parse_args(argv)
     configure()

@@ -1,0 +1,106 @@
+"""What ``ddiloco run`` runs: the ``run`` section, the defaults of a local run, one checked document.
+
+A local run resolves one config document (defaults, then the ``--config`` file, then flags),
+checks it by building every component's config from it before any process starts, and writes it
+to the run folder, where the synchronizer and the learners read it as a deployment reads its
+ConfigMap. The services ignore the ``run`` section; it is this module's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any, Literal
+
+from pydantic.dataclasses import dataclass
+
+from ddiloco.core.config import STRICT, build, check_sections, read_document, to_dict
+
+RunMode = Literal["decoupled", "streaming", "diloco", "dp"]
+RUN_MODES: tuple[str, ...] = ("decoupled", "streaming", "diloco", "dp")
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class RunConfig:
+    """The ``run`` section: what the local run starts and measures."""
+
+    learners: int = 3
+    """Learner processes (dp: the number of learners whose combined batch the reference trains on)."""
+    steps: int = 600
+    """Inner steps per learner."""
+    mode: RunMode = "decoupled"
+    """decoupled, streaming, diloco, or dp (the data-parallel reference: one process)."""
+    seed: int = 0
+    """Seeds the model's initialisation and the data order (every learner's shard stream)."""
+    final_eval_batches: int = 32
+    """Held-out batches of the final evaluation of the global model."""
+    global_eval_every_s: float = 20.0
+    """Evaluate the global model this often while the run trains (0: only at genesis and the end)."""
+    chaos_horizon_s: float = 300.0
+    """Over how many seconds a ``random:`` fault plan spreads its faults (unless it says)."""
+
+    def __post_init__(self) -> None:
+        if self.learners < 1 or self.steps < 1:
+            raise ValueError("learners and steps must be >= 1")
+        if self.final_eval_batches < 1:
+            raise ValueError(f"final_eval_batches must be >= 1, got {self.final_eval_batches}")
+        if self.global_eval_every_s < 0:
+            raise ValueError(f"global_eval_every_s must be >= 0 (0: off), got {self.global_eval_every_s}")
+        if self.chaos_horizon_s <= 0:
+            raise ValueError(f"chaos_horizon_s must be > 0, got {self.chaos_horizon_s}")
+
+
+DEFAULTS: dict[str, Any] = {
+    "protocol": {"num_fragments": 24, "sync_every": 24, "overlap": 2},
+    "data": {"batch_size": 16, "context": 128},
+    "train": {"eval_every": 0, "eval_batches": 8},
+    # Decoupled merges wait for every live learner's fresh contribution (quorum 0; learners never
+    # wait, timeout_s bounds a merge's wait, heartbeats drop a stalled learner from "live").
+    # docs/design-notes.md, "Quorum and staleness", has the measurements behind it.
+    "synchronizer": {"policy": {"quorum": 0, "grace_gamma": 0.8, "max_grace_s": 5.0}},
+}
+DECOUPLED_TIMEOUT_S = 20.0
+"""The merge timeout a local decoupled run adds to its every-live-learner quorum."""
+
+
+def merge_documents(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` laid over it, section by section and key by key."""
+    out = copy.deepcopy(base)
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_documents(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def resolve(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
+    """Defaults, then the config file, then flags: the run's settings and its whole document."""
+    file_doc = read_document(args.config)
+    check_sections(file_doc, args.config or "config")
+    section = dict(file_doc.get("run") or {})
+    section.update({k: getattr(args, k) for k in ("learners", "steps", "mode", "seed")
+                    if getattr(args, k) is not None})
+    run = build(RunConfig, section, "run")
+    doc = merge_documents(DEFAULTS, file_doc)
+    doc["run"] = to_dict(run)
+    for name in ("train", "data", "protocol", "synchronizer"):
+        doc.setdefault(name, {})
+    doc["train"]["steps"] = run.steps
+    doc["train"]["seed"] = run.seed
+    doc["data"]["seed"] = run.seed
+    doc["protocol"]["mode"] = "decoupled" if run.mode == "dp" else run.mode
+    if run.mode == "decoupled":
+        policy = doc["synchronizer"].setdefault("policy", {})
+        if isinstance(policy, dict):
+            policy.setdefault("timeout_s", DECOUPLED_TIMEOUT_S)
+    return run, doc
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """Build every component's config once, so a bad document fails before any process starts."""
+    from ddiloco.learner.config import learner_config
+    from ddiloco.synchronizer.config import synchronizer_config
+
+    learner_config(doc, synchronizer="127.0.0.1:1", learner_id="learner-0")
+    synchronizer_config(doc)
