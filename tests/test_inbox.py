@@ -85,18 +85,6 @@ def test_a_sealed_summed_entry_can_be_put_back_and_superseded_later() -> None:
     torch.testing.assert_close(again.deltas, vec(10, 10)[None])
 
 
-def test_drop_moves_the_last_slot_with_its_carry() -> None:
-    box = Inbox(1)
-    box.add(contrib(1, 0, lid="a"), vec(1))
-    box.add(contrib(1, 0, lid="b"), vec(2))
-    box.add(contrib(2, 1, lid="b"), vec(3))        # b now carries (2)
-    gone = box.drop("a")
-    assert gone is not None and gone.learner_id == "a"
-    box.add(contrib(3, 1, lid="b"), vec(10))       # supersedes b's seq 2: 2 + 10
-    sealed = box.seal()
-    torch.testing.assert_close(sealed.deltas, vec(12)[None])
-
-
 def test_wrong_size_is_refused_and_changes_nothing() -> None:
     box = Inbox(3)
     with pytest.raises(ValueError, match="3"):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from ddiloco.algorithm import policies
+from ddiloco.algorithm.round import RoundState
 from ddiloco.simulator import (
     YEAR_S,
     SimConfig,
@@ -104,21 +105,21 @@ def test_dp_goodput_decreases_with_fleet_size() -> None:
     assert all(a > b for a, b in itertools.pairwise(goodput)), goodput
 
 
-def test_decoupled_merges_are_decided_by_the_real_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decoupled_merges_are_decided_by_the_services_round_state_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = SimConfig(chips=1_200_000, learners=4, hours=1.0, merge_hours=0.0)
     calls = []
-    real = policies.decide
+    real = RoundState.decide
 
-    def spy(now, view, timings, overlap, policy):
-        calls.append((view, policy))
-        return real(now, view, timings, overlap, policy)
+    def spy(self, now, waiting, version, live, timings, rules, rejoin=None):
+        calls.append(rules)
+        return real(self, now, waiting, version, live, timings, rules, rejoin)
 
-    monkeypatch.setattr(policies, "decide", spy)
+    monkeypatch.setattr(RoundState, "decide", spy)
     r = simulate(cfg, ("decoupled",))[0]
     assert len(calls) == r.details["decide_calls"] > r.details["merges_in_window"] > 0
-    assert all(p == cfg.policy() for _, p in calls[:10])
+    assert all(rules.policy == cfg.policy() and rules.overlap == cfg.overlap for rules in calls[:10])
 
-    monkeypatch.setattr(policies, "decide", lambda *a: policies.Decision(False, "test: never merge"))
+    monkeypatch.setattr(RoundState, "decide", lambda *a, **k: policies.Decision(False, "test: never merge"))
     never = simulate(cfg, ("decoupled",))[0]
     assert never.merges == 0
 

@@ -91,7 +91,7 @@ async def test_content_fault_is_rejected_with_reason_and_changes_nothing(cfg, re
         assert result.reason == reason, result.detail
         assert result.detail
         _unchanged(server, before)
-        assert server.engine.rejected_by_reason[reason] == 1
+        assert server.engine.ledger.rejected_by_reason[reason] == 1
         # the stream survived and a good contribution still merges
         ok = await a.contribute(0, torch.full((n,), 0.01), base_version=0)
         assert (await a.wait_result(ok)).outcome == "merged"
@@ -173,7 +173,7 @@ async def test_framing_fault_ends_only_that_stream(cfg, case):
         assert isinstance(b.closed, StreamClosed) and b.closed.code == code, b.closed
         assert b.closed.details
         _unchanged(server, before)
-        assert sum(server.engine.rejected_by_reason.values()) == 1
+        assert sum(server.engine.ledger.rejected_by_reason.values()) == 1
         # the healthy learner is unaffected
         s = await a.contribute(0, torch.full((a.layout[0].numel,), 0.01), base_version=0)
         assert (await a.wait_result(s)).outcome == "merged"

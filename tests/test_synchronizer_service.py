@@ -354,7 +354,7 @@ async def test_after_a_restart_merges_wait_for_the_last_merges_learners_to_rejoi
     # Restarted on the same state: a comes back first. Its contribution waits for b (in the last
     # merge) instead of being merged alone; when b's arrives, both merge at once.
     async with running_server(cfg) as server:
-        assert server.engine.rejoin_expected == {"a", "b"}
+        assert server.engine.rejoin.expected == {"a", "b"}
         version = server.engine.fragments[0].version
         a = ScriptedLearner(server.port, "a")
         await a.connect()

@@ -4,9 +4,9 @@ Learners never block on the network in decoupled mode, so their step clocks (fro
 ``JobResult``: running segments, pauses) fix every contribution time in advance: learner m sends
 fragment p after each step t with ``t mod H == offset(p)``, the offsets coming from the learners'
 own ``FragmentSchedule``. This module replays those contributions, the learners' drop-outs and
-returns, and the grace wake-ups in time order, and asks ``ddiloco.algorithm.policies`` what the
-service would do: ``quorum_reached`` marks when a round reaches K, ``decide`` says merge now or wake
-at the grace deadline, ``token_weights`` weighs each merge, ``RunningAverage`` keeps the step,
+returns, and the grace wake-ups in time order, and runs each fragment's round through the
+service's own state machine (``ddiloco.algorithm.round.RoundState``: opening, quorum latch,
+freshness, grace, timeout), ``token_weights`` weighs each merge, ``RunningAverage`` keeps the step,
 quorum and sync times that feed the grace window. Nothing here re-implements a decision.
 
 Cost is one policy call per contribution or wake-up, and M x P x (window / step) contributions in
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ddiloco.algorithm import policies
+from ddiloco.algorithm.round import RoundRules, RoundState, Waiting
 from ddiloco.simulator.config import SimConfig
 from ddiloco.simulator.spmd import JobResult
 
@@ -165,8 +166,8 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     quorum_avg = policies.RunningAverage()
     sync_avg = policies.RunningAverage()
     timings = policies.Timings(step_time_s=step_avg.get(), quorum_time_s=0.0, sync_time_s=0.0)
-    opened: list[float | None] = [None] * frags
-    quorum_at: list[float | None] = [None] * frags
+    rules = RoundRules(policy=policy, overlap=tau, sync_every=schedule.sync_every, stale_round_s=cfg.horizon_s)
+    rounds = [RoundState() for _ in range(frags)]
     inbox: list[dict[str, tuple[float, int, int]]] = [{} for _ in range(frags)]
     round_id = [0] * frags
     # Step of each learner's last merged contribution per fragment (None: none yet in the window,
@@ -187,14 +188,13 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
 
     def evaluate(p: int, now: float) -> None:
         nonlocal wake_seq, last_merge_at
-        box, opened_at = inbox[p], opened[p]
-        view = policies.RoundView(opened_at, quorum_at[p], frozenset(box), live_view)
-        if quorum_at[p] is None and policies.quorum_reached(view, policy)[0]:
-            quorum_at[p] = now
-            quorum_avg.update(now - (now if opened_at is None else opened_at))
+        box, state = inbox[p], rounds[p]
+        latched = state.quorum_at
+        waiting = [Waiting(name, 0, sent_at) for name, (sent_at, _, _) in box.items()]
+        decision = state.decide(now, waiting, 0, live_view, timings, rules)
+        if latched is None and state.quorum_at is not None:
+            quorum_avg.update(state.quorum_time_s)
             refresh_timings()
-            view = policies.RoundView(opened_at, now, view.contributors, live_view)
-        decision = policies.decide(now, view, timings, tau, policy)
         stats.decide_calls += 1
         if not decision.merge:
             if decision.wake_at is not None:
@@ -227,7 +227,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
             stats.max_merge_gap_s = now - last_merge_at
         last_merge_at = now
         box.clear()
-        opened[p] = quorum_at[p] = None
+        state.close()
         round_id[p] += 1
 
     def wake_until(t: float) -> None:
@@ -243,9 +243,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
             stats.contributions += 1
             box = inbox[p]
             name = names[m]
-            if not box:
-                opened[p] = t
-            elif name in box:
+            if name in box:
                 stats.replaced += 1  # the newer contribution carries the older one's progress
             box[name] = (t, step, m)
             evaluate(p, t)

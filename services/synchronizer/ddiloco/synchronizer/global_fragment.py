@@ -44,9 +44,6 @@ class GlobalFragment:
     def params_at(self, version: int) -> torch.Tensor | None:
         return self.history.get(version)
 
-    def staleness(self, base_version: int) -> int:
-        return self.version - base_version
-
     def advance(self, params: torch.Tensor, momentum: torch.Tensor, version: int, when: float,
                 contributors: dict[str, list[int]] | None = None) -> None:
         self.params, self.momentum, self.version = params, momentum, version

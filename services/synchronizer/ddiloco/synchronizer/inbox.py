@@ -77,12 +77,6 @@ class Inbox:
     def contributors(self) -> frozenset[str]:
         return frozenset(self._slots)
 
-    def has_fresh(self, version: int) -> bool:
-        return any(e.base_version == version for e in self._entries)
-
-    def oldest_arrival(self) -> float | None:
-        return min((e.arrived_at for e in self._entries), default=None)
-
     def add(self, contribution: Contribution, delta: torch.Tensor,
             carry: torch.Tensor | None = None) -> Contribution | None:
         """Store a contribution; return the one it supersedes (replaces), if any.
@@ -140,21 +134,3 @@ class Inbox:
         self._rows = torch.empty(self._capacity, self.num_values, dtype=torch.float32)
         self._slots, self._entries, self._carry = {}, [], {}
         return sealed
-
-    def drop(self, learner_id: str) -> Contribution | None:
-        """Remove a learner's pending contribution (e.g. it must resynchronise)."""
-        slot = self._slots.pop(learner_id, None)
-        if slot is None:
-            return None
-        gone = self._entries[slot]
-        self._carry.pop(slot, None)
-        last = len(self._entries) - 1
-        if slot != last:
-            moved = self._entries[last]
-            self._entries[slot] = moved
-            self._rows[slot].copy_(self._rows[last])
-            self._slots[moved.learner_id] = slot
-            if last in self._carry:
-                self._carry[slot] = self._carry.pop(last)
-        self._entries.pop()
-        return gone

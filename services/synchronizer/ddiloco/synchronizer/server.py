@@ -24,9 +24,10 @@ from ddiloco.fragments.chunking import Chunk, Reassembler
 from ddiloco.fragments.errors import ChunkError, FragmentError
 from ddiloco.protocol import wire
 from ddiloco.protocol.credentials import read_pem, token_from_metadata
+from ddiloco.synchronizer.admission import Refused
 from ddiloco.synchronizer.broadcast import GlobalTransfer
 from ddiloco.synchronizer.config import SynchronizerConfig
-from ddiloco.synchronizer.engine import Engine, Refused
+from ddiloco.synchronizer.engine import Engine
 from ddiloco.synchronizer.membership import LearnerRecord
 
 _STATUS = {

@@ -1,0 +1,122 @@
+"""What may enter the synchronizer: a learner's Hello, and each contribution it sends.
+
+Every check that can refuse input lives here, in the order it is made, each with its reason:
+
+- Hello: a learner id of 1..128 characters; the same protocol constants (P, H, tau, chunk size,
+  mode); a global codec the learner can decode; once global state exists, the same model
+  fingerprint and fragment layout. A refused Hello ends the stream with a gRPC status.
+- A contribution: a contribution transfer (learners may not send globals; genesis goes to
+  ``genesis``), global state ready, a fragment this shard owns, the global layout, tokens and
+  steps > 0, not a contribution already merged (a re-send after a reconnect is answered, never
+  merged twice), a base within the staleness window (``staleness_verdict``, the same rule the
+  merge applies), and a payload that decodes to finite values of the right shapes.
+
+A refused contribution is answered with a reason (``Ledger.reject``); the global model is never
+touched by it. Framing faults (corrupt, reordered, oversized chunks) are caught earlier, by
+reassembly in the server, and end the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from ddiloco.algorithm.round import staleness_verdict
+from ddiloco.fragments.chunking import Transfer
+from ddiloco.fragments.errors import FragmentError
+from ddiloco.fragments.payload import decode_fragment
+from ddiloco.protocol.wire import Hello, ProtocolParams
+from ddiloco.synchronizer.inbox import Contribution
+from ddiloco.synchronizer.ledger import Ledger
+from ddiloco.synchronizer.membership import LearnerRecord
+from ddiloco.synchronizer.recovery import LoadedState
+
+AGREED = ("num_fragments", "sync_every", "overlap", "max_chunk_bytes", "mode")
+"""Protocol constants a learner must share with the synchronizer."""
+
+
+class Refused(Exception):
+    """A Hello (or a call) that is refused as a whole: the stream ends with this status."""
+
+    def __init__(self, code: str, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code, self.reason, self.detail = code, reason, detail
+
+
+def check_hello(hello: Hello, mine: ProtocolParams, state: LoadedState | None) -> None:
+    """Raise Refused unless this learner may join."""
+    if not hello.learner_id or len(hello.learner_id) > 128:
+        raise Refused("INVALID_ARGUMENT", "protocol", "learner_id must be 1..128 characters")
+    theirs = hello.protocol
+    for key in AGREED:
+        if getattr(mine, key) != getattr(theirs, key):
+            raise Refused("FAILED_PRECONDITION", "layout_mismatch",
+                          f"protocol mismatch: learner has {key}={getattr(theirs, key)!r}, "
+                          f"synchronizer has {getattr(mine, key)!r}")
+    if mine.global_codec not in hello.codecs:
+        raise Refused("FAILED_PRECONDITION", "unsupported_codec",
+                      f"learner cannot decode the global codec {mine.global_codec}")
+    if state is not None:
+        if hello.model_fingerprint != state.model_fingerprint:
+            raise Refused("FAILED_PRECONDITION", "model_mismatch",
+                          f"model fingerprint {hello.model_fingerprint} differs from the global model's "
+                          f"{state.model_fingerprint}")
+        if hello.layout_hash != state.layout_hash:
+            raise Refused("FAILED_PRECONDITION", "layout_mismatch",
+                          f"fragment layout {hello.layout_hash} differs from the global model's {state.layout_hash}")
+
+
+def contribution_of(rec: LearnerRecord, transfer: Transfer) -> Contribution:
+    h = transfer.header
+    return Contribution(rec.learner_id, h.sequence, h.fragment_id, h.version, h.tokens, h.steps,
+                        transfer.received_at, h.learner_step, rec.incarnation)
+
+
+class Admission:
+    """Checks each contribution against the global state; answers the refused ones."""
+
+    def __init__(self, *, ledger: Ledger, staleness_window: int, shard: str,
+                 run_blocking: Callable[..., Awaitable[Any]], codec_threads: int) -> None:
+        self.ledger = ledger
+        self.window = staleness_window
+        self.shard = shard
+        """"s/S (P=...)" for messages about fragments this shard does not own."""
+        self.run_blocking = run_blocking
+        self.codec_threads = codec_threads
+
+    async def admit(self, rec: LearnerRecord, transfer: Transfer, c: Contribution,
+                    state: LoadedState | None) -> torch.Tensor | None:
+        """The decoded outer gradient of an admissible contribution, or None (rejected, answered)."""
+        h = transfer.header
+        if h.kind != "contribution":
+            return self._reject(c, "protocol", f"learners may not send {h.kind} transfers")
+        if state is None:
+            return self._reject(c, "not_ready", "no global state yet (genesis pending)")
+        frag = state.fragments.get(h.fragment_id)
+        if frag is None:
+            return self._reject(c, "unknown_fragment", f"fragment {h.fragment_id} is not owned by shard {self.shard}")
+        if h.layout_hash and h.layout_hash != state.layout_hash:
+            return self._reject(c, "layout_mismatch", f"layout {h.layout_hash} is not {state.layout_hash}")
+        if h.steps == 0 or h.tokens == 0:
+            return self._reject(c, "protocol", "a contribution must carry tokens > 0 and steps > 0")
+        dup = frag.duplicate_of(rec.learner_id, rec.incarnation, h.sequence)
+        if dup is not None:
+            kind, version = dup
+            if kind == "duplicate":  # sent again after a reconnect: answer, never merge twice
+                self.ledger.duplicate(rec, h.sequence, h.fragment_id, version)
+                return None
+            return self._reject(c, "stale", f"older than contribution merged into version {version}")
+        verdict = staleness_verdict(h.version, frag.version, self.window)
+        if verdict is not None:
+            self.ledger.reject(c, verdict.reason, verdict.detail, resync=True)
+            return None
+        try:
+            return await self.run_blocking(decode_fragment, transfer, state.layout, zstd_threads=self.codec_threads)
+        except FragmentError as exc:
+            return self._reject(c, exc.reason.lower(), str(exc))
+
+    def _reject(self, c: Contribution, reason: str, detail: str) -> None:
+        self.ledger.reject(c, reason, detail)
+        return None
