@@ -12,10 +12,12 @@ import json
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
-from ddiloco.lab.chaos import FaultPlan, parse_seconds
+from ddiloco.lab.chaos import ChaosDriver, FaultPlan, parse_seconds
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +59,9 @@ def _chaos_run(tmp_path: pathlib.Path, plan: FaultPlan, *, steps: int = 500, lea
 
 
 def test_learner_killed_and_restarted_contributes_again(tmp_path):
-    # long enough that the others still train while the restarted process starts up (~5 s here)
-    s = _chaos_run(tmp_path, FaultPlan().kill("learner-1", at_s=3, restart_after_s=2), steps=1500)
+    # faults keyed by step: each falls at the same point of training on any machine, and the runs are
+    # long enough that the others still train while the faulted learner recovers (~5 s to restart)
+    s = _chaos_run(tmp_path, FaultPlan().kill("learner-1", at_step=150, restart_after_s=2), steps=1500)
     restarted = s["invariants"]["restarted_learners"]["learner-1"]
     assert restarted and restarted[0]["contributed_again"]
     assert restarted[0]["restart_to_first_merge_s"] < 60
@@ -66,12 +69,12 @@ def test_learner_killed_and_restarted_contributes_again(tmp_path):
 
 def test_straggler_stopped_and_continued(tmp_path):
     # the others must still be training when the stopped learner resumes, or the fleet was all down
-    s = _chaos_run(tmp_path, FaultPlan().stop("learner-2", at_s=3, duration_s=4), steps=1500)
+    s = _chaos_run(tmp_path, FaultPlan().stop("learner-2", at_step=150, duration_s=4), steps=1500)
     assert s["invariants"]["all_hold"]
 
 
 def test_synchronizer_killed_and_restarted_on_its_state_dir(tmp_path):
-    s = _chaos_run(tmp_path, FaultPlan().kill_synchronizer(at_s=4, restart_after_s=1.5))
+    s = _chaos_run(tmp_path, FaultPlan().kill_synchronizer(at_step=150, restart_after_s=1.5))
     gaps = s["invariants"]["restart_to_first_merge_s"]
     assert len(gaps) == 1 and gaps[0] is not None and gaps[0] < 60
     assert s["invariants"]["all_hold"]
@@ -80,26 +83,26 @@ def test_synchronizer_killed_and_restarted_on_its_state_dir(tmp_path):
 @pytest.mark.parametrize("fault,value", [("stall", 0.0), ("reset", 0.0), ("blackhole", 0.0), ("latency", 0.05)])
 def test_network_fault_on_one_learner(tmp_path, fault, value):
     # long enough that learner-1 still trains while learner-0 recovers its link
-    s = _chaos_run(tmp_path, FaultPlan().net("learner-0", fault, at_s=3, duration_s=4, value=value), learners=2,
+    s = _chaos_run(tmp_path, FaultPlan().net("learner-0", fault, at_step=150, duration_s=4, value=value), learners=2,
                    steps=1500)
     assert s["invariants"]["all_hold"]
 
 
 def test_scale_up_and_drain(tmp_path):
     # long enough that learner-1 still trains while the new process starts up
-    s = _chaos_run(tmp_path, FaultPlan().scale_up(at_s=2).drain("learner-0", at_s=4), learners=2, steps=1500)
+    s = _chaos_run(tmp_path, FaultPlan().scale_up(at_step=100).drain("learner-0", at_step=200), learners=2, steps=1500)
     assert s["learners"] == 2 and "learner-2" in s["per_learner"]
 
 
 def test_mixed_plan(tmp_path):
-    plan = (FaultPlan().kill("learner-0", at_s=3, restart_after_s=2).stop("learner-1", at_s=4, duration_s=3)
-            .net("learner-2", "reset", at_s=5).kill_synchronizer(at_s=7, restart_after_s=1))
+    plan = (FaultPlan().kill("learner-0", at_step=150, restart_after_s=2).stop("learner-1", at_step=200, duration_s=3)
+            .net("learner-2", "reset", at_step=250).kill_synchronizer(at_step=350, restart_after_s=1))
     s = _chaos_run(tmp_path, plan, steps=1500)
     assert s["invariants"]["all_hold"], s["invariants"]
 
 
 def test_no_fault_baseline_runs_after_the_chaos_run_and_is_reported(tmp_path):
-    s = _chaos_run(tmp_path, FaultPlan().stop("learner-1", at_s=2, duration_s=2), learners=2, steps=400,
+    s = _chaos_run(tmp_path, FaultPlan().stop("learner-1", at_step=100, duration_s=2), learners=2, steps=400,
                    extra=("--baseline", "auto"))
     base = json.loads((tmp_path / "run" / "baseline" / "summary.json").read_text())
     assert base["faults_injected"] == [] and base["steps"] == s["steps"] == 800
@@ -119,8 +122,49 @@ def test_plan_parsing_and_validation(tmp_path):
             FaultPlan.random_plan(bad, learners=["l"], duration_s=10)
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"events": [{"at_s": 1, "kind": "explode"}]}))
-    with pytest.raises(ValueError, match="unknown fault kind"):
+    with pytest.raises(ValueError, match=r"events\[0\]\.kind: Input should be 'kill', 'stop'"):
         FaultPlan.parse(str(f), learners=["l"], duration_s=10)
     f.write_text(json.dumps({"events": [{"at_s": 1, "kind": "kill", "target": "l", "when": 3}]}))
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match=r"events\[0\]\.when: unknown key"):
         FaultPlan.parse(str(f), learners=["l"], duration_s=10)
+    f.write_text(json.dumps({"events": [{"at_s": 1, "at_step": 3, "kind": "kill", "target": "l"}]}))
+    with pytest.raises(ValueError, match="either at_s or at_step"):
+        FaultPlan.parse(str(f), learners=["l"], duration_s=10)
+    f.write_text(json.dumps({"events": [{"at_step": 3, "kind": "stop", "target": "l", "duration_s": 1}]}))
+    assert FaultPlan.parse(str(f), learners=["l"], duration_s=10).events[0].at_step == 3
+
+
+def test_step_keyed_faults_fire_when_their_learner_gets_there() -> None:
+    """The driver injects a step-keyed fault once the target's progress reaches it (and one
+    without a target once any learner's does), whatever the wall clock says."""
+    progress = {"learner-0": 0, "learner-1": 0}
+    fired: list[tuple[str, str]] = []
+    done = threading.Event()
+    plan = (FaultPlan().stop("learner-1", at_step=5, duration_s=1.0).kill_synchronizer(at_step=8)
+            .drain("learner-0", at_s=0.0))
+
+    def act(e):  # type: ignore[no-untyped-def]
+        fired.append((e.kind, e.target))
+        if len(fired) == 3:
+            done.set()
+
+    driver = ChaosDriver(plan, {k: act for k in ("stop", "kill_synchronizer", "drain")}, lambda r: None,
+                         progress=lambda lid: progress[lid] if lid else max(progress.values()))
+    driver.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fired == [("drain", "learner-0")], "only the time-keyed fault is due at once"
+        progress["learner-0"] = 7  # another learner's progress does not trigger learner-1's fault
+        time.sleep(3 * ChaosDriver.POLL_S)
+        assert fired == [("drain", "learner-0")]
+        progress["learner-1"] = 5
+        progress["learner-0"] = 8
+        assert done.wait(5)
+        assert sorted(fired[1:]) == [("kill_synchronizer", ""), ("stop", "learner-1")]
+    finally:
+        driver.stop()
+    assert len(driver.injected) == 3 and all(r["ok"] for r in driver.injected)
+    with pytest.raises(ValueError, match="needs the learners' progress"):
+        ChaosDriver(plan, {}, lambda r: None)

@@ -1,4 +1,4 @@
-"""merge_deltas against a direct float64 numpy implementation of DESIGN.md §2 step 5.
+"""merge_deltas against a direct float64 numpy implementation of docs/algorithm.md, synchronizer step 5.
 
 The reference below is written from the formula, not from the optimised code:
 ``RDA = (sum w|D|/sum w) * unit(sum w unit(D) / sum w)`` per tensor, weighted mean for

@@ -1,6 +1,6 @@
 """Outer gradients are fp32 math, and fragments gather/scatter losslessly.
 
-The pitfall this guards against (DESIGN.md §2; the reason ``outer_gradient`` upcasts): a
+The pitfall this guards against (docs/algorithm.md, learner step 2; the reason ``outer_gradient`` upcasts): a
 per-step AdamW update on a weight of magnitude 0.02 is about lr = 1e-4 relative, far below
 bf16's 2^-8 resolution, so ``bf16(base) - bf16(theta)`` is almost always exactly zero.
 """

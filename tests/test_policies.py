@@ -1,6 +1,6 @@
 """The merge policies (quorum, adaptive grace, token weights) against hand-computed cases.
 
-References: DESIGN.md §2 steps 2-4; paper Eq. 3 for the grace window
+References: docs/algorithm.md, synchronizer steps 2-4; paper Eq. 3 for the grace window
 ``clamp(gamma * (tau * step_time - quorum_time - sync_time), 0, max_grace)`` and Sec. 3.2 for
 the token weights ``w_m = tok_m * (tok_m / steps_m)``, normalised.
 """

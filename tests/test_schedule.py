@@ -1,6 +1,6 @@
 """Fragment schedule: fragment p falls due at steps t >= 1 with t mod H == floor(p*H/P).
 
-Checked against the definition itself (DESIGN.md §2, Streaming DiLoCo's staggered offsets) by
+Checked against the definition itself (docs/algorithm.md, "Fragments"; Streaming DiLoCo's staggered offsets) by
 brute force over every step of several periods.
 """
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ async def _stream_contributions(learner: ScriptedLearner, versions: dict[int, in
     """Contribute to every fragment against the newest version this learner has seen."""
     from ddiloco.protocol.client import StreamClosed
 
-    rng = torch.Generator().manual_seed(hash(learner.learner_id) % 1000)
+    rng = torch.Generator().manual_seed(zlib.crc32(learner.learner_id.encode()))  # the same in every process
     try:
         while not stop.is_set():
             for p in range(learner.protocol.num_fragments):

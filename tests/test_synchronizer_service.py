@@ -17,7 +17,7 @@ import torch
 
 from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.protocol.client import StreamClosed
-from tests.scripted import ScriptedLearner, eventually, running_server, sync_config, toy_params
+from tests.scripted import ScriptedLearner, eventually, running_server, sync_config
 
 
 async def _ready(server, *learner_ids, step_time_s=0.1):
@@ -97,12 +97,19 @@ async def test_merges_at_once_when_every_live_learner_contributed(tmp_path):
             await lr.close()
 
 
+async def _decided(server, reason: str, fragment: int = 0) -> None:
+    """Wait until the fragment's round has decided, with this reason, not to merge (yet)."""
+    r = server.engine.rounds[fragment]
+    await eventually(lambda: r.last_decision is not None and not r.last_decision.merge
+                     and r.last_decision.reason.startswith(reason), what=f"round decision {reason!r}")
+
+
 async def test_quorum_k_of_m_waits_for_k_then_grace(tmp_path):
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=2, grace_gamma=0.5, max_grace_s=0.3))
     async with running_server(cfg) as server:
         a, b, c = await _ready(server, "a", "b", "c", step_time_s=1.0)
         sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
-        await asyncio.sleep(0.8)  # well past any grace: only the quorum holds the merge back
+        await _decided(server, "waiting for quorum: 1/2")  # the round saw it and holds for the quorum
         assert server.engine.fragments[0].version == 0 and a.result_for(sa) is None
         sb = await b.contribute(0, _delta(2, b, 0), base_version=0)
         ra, rb = await a.wait_result(sa), await b.wait_result(sb)
@@ -123,7 +130,7 @@ async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anc
         theta0 = server.engine.fragments[0].params.clone()
         da, db, dc = _delta(1, a, 0), _delta(2, b, 0), _delta(3, c, 0)
         sa = await a.contribute(0, da, base_version=0)
-        await asyncio.sleep(0.3)
+        await _decided(server, "quorum 1/1; in grace")  # b arrives inside the grace window
         sb = await b.contribute(0, db, base_version=0)
         ra = await a.wait_result(sa, timeout_s=10)
         rb = await b.wait_result(sb)
@@ -194,7 +201,9 @@ async def test_contribution_on_a_newer_base_is_summed_with_the_missed_one_and_bo
         s0 = await a.contribute(0, da0, base_version=0, tokens=100, steps=4)  # stale: waits for a round
         await eventually(lambda: len(server.engine.rounds[0].inbox) == 1, what="stale contribution held")
         s1 = await a.contribute(0, da1, base_version=1, tokens=100, steps=4)
-        await asyncio.sleep(0.3)
+        inbox = server.engine.rounds[0].inbox
+        await eventually(lambda: [p.sequence for e in inbox.entries for p in e.parts()] == [s1, s0],
+                         what="the newer contribution carrying the missed one")
         assert a.result_for(s0) is None, "the older contribution must not be superseded"
         sb2 = await b.contribute(0, db, base_version=1, tokens=100, steps=4)
         r0, r1, rb = await a.wait_result(s0), await a.wait_result(s1), await b.wait_result(sb2)
@@ -221,7 +230,7 @@ async def test_dropped_stream_leaves_the_quorum_at_once(tmp_path):
     async with running_server(cfg) as server:
         a, b = await _ready(server, "a", "b")
         sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
-        await asyncio.sleep(0.3)
+        await _decided(server, "waiting for quorum: 1/2")
         assert a.result_for(sa) is None
         await b.close()
         ra = await a.wait_result(sa, timeout_s=5)
@@ -289,10 +298,6 @@ async def test_status_reports_learners_fragments_and_rejections(tmp_path):
         await a.close()
 
 
-def test_params_helper_is_deterministic():
-    torch.testing.assert_close(toy_params(3)["head.weight"], toy_params(3)["head.weight"])
-
-
 async def test_contribution_sent_again_is_answered_but_never_merged_twice(tmp_path):
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0))
     async with running_server(cfg) as server:
@@ -310,7 +315,7 @@ async def test_contribution_sent_again_is_answered_but_never_merged_twice(tmp_pa
         await a2.contribute(0, delta, base_version=0)
         r = await a2.wait_result(s)
         assert (r.outcome, r.version) == ("merged", 1) and "duplicate" in r.detail
-        await asyncio.sleep(0.3)
+        assert len(server.engine.rounds[0].inbox) == 0, "answered at admission, never queued for a merge"
         assert server.engine.fragments[0].version == 1 and torch.equal(server.engine.fragments[0].params, params)
         for lr in (a, a2):
             await lr.close()
@@ -361,7 +366,7 @@ async def test_after_a_restart_merges_wait_for_the_last_merges_learners_to_rejoi
         a.start_pump()
         await a.heartbeat()
         sa = await a.contribute(0, _delta(3, a, 0), base_version=version)
-        await asyncio.sleep(1.0)
+        await _decided(server, "rejoin hold: waiting for ['a', 'b']")
         assert a.result_for(sa) is None and server.engine.fragments[0].version == version
         b = ScriptedLearner(server.port, "b")
         await b.connect()
@@ -425,7 +430,7 @@ async def test_goodbye_reaches_the_synchronizer_while_other_writes_are_in_flight
                 await a.heartbeat(step=i)
 
         writer = asyncio.create_task(flood())
-        await asyncio.sleep(0.2)
+        await eventually(lambda: server.engine.membership.learners["a"].step >= 20, what="heartbeats in flight")
         await a.close("finished")
         with pytest.raises(StreamClosed):  # its next write found the stream half-closed
             await asyncio.wait_for(writer, 5.0)
@@ -444,7 +449,7 @@ async def test_stale_contributions_of_every_live_learner_open_a_round_at_once(tm
         first = await a.wait_result(await a.contribute(0, _delta(1, a, 0), base_version=0))
         assert first.outcome == "merged" and first.version == 1
         sb = await b.contribute(0, _delta(2, b, 0), base_version=0)
-        await asyncio.sleep(1.0)
+        await _decided(server, "1 stale contributions; round not open yet")
         assert b.result_for(sb) is None and server.engine.fragments[0].version == 1
         sa = await a.contribute(0, _delta(3, a, 0), base_version=0)
         ra, rb = await a.wait_result(sa, timeout_s=5), await b.wait_result(sb, timeout_s=5)

@@ -1,6 +1,6 @@
 """Goodput, global downtime, merge gaps and contribution accounting from a run's event logs.
 
-The measures of success (DESIGN.md §6) are computed here, after the fact, from the JSON Lines
+The measures of success (docs/algorithm.md) are computed here, after the fact, from the JSON Lines
 event logs that ``ddiloco run`` collects: one log per learner process and the synchronizer's
 merge log. The precise definitions live in ``docs/goodput.md``; this module implements them.
 

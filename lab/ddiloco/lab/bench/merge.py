@@ -6,7 +6,7 @@ For each learner count M it fills an [M, N] fp32 contribution block laid out lik
 same size, it measures what the memory system can do (a copy and a read-only reduction), so the
 bound and the measurement share the machine's state. The bound is the least traffic any
 implementation needs: read the M contributions once, read and write params and momentum once,
-``4 * N * (M + 4)`` bytes, at the better of the two measured bandwidths. DESIGN.md §6 asks for
+``4 * N * (M + 4)`` bytes, at the better of the two measured bandwidths. The goal is
 time / bound <= 3. Every figure is the minimum over ``--repeat`` runs (the least disturbed).
 """
 

@@ -1,6 +1,6 @@
 """Merge the learners' outer gradients for one fragment: per tensor, RDA or a weighted mean.
 
-Why two rules (paper Sec. 3.2, DESIGN.md §2 step 5): averaging Deltas that point in different
+Why two rules (paper Sec. 3.2; docs/algorithm.md, synchronizer step 5): averaging Deltas that point in different
 directions shrinks the result (the mean of M unit vectors at random angles has norm ~1/sqrt(M)),
 which silently lowers the effective outer learning rate as learners are added or drift apart.
 Radial-directional averaging keeps the two apart,

@@ -1,6 +1,6 @@
 """The outer optimizer: Nesterov SGD on a global fragment, driven by the merged outer gradient.
 
-DiLoCo's outer step (DESIGN.md §2 step 6) with the merged Delta as the gradient:
+DiLoCo's outer step (docs/algorithm.md, synchronizer step 6) with the merged Delta as the gradient:
 
     b = mu * b + D;   Theta -= lr * (D + mu * b)
 

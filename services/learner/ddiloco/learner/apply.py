@@ -1,6 +1,6 @@
 """Applying a merged global fragment on the learner, at a step boundary.
 
-Three policies (DESIGN §2), as pure functions of flat fp32 buffers:
+Three policies (docs/algorithm.md, learner step 3), as pure functions of flat fp32 buffers:
 
 - ``overwrite`` (paper default): theta = Theta. The local progress made on this fragment since it
   was sent is dropped; the next contribution's counters start from zero at the apply.

@@ -28,7 +28,7 @@ import torch
 
 from ddiloco.algorithm.merge import embedding_mask, merge_deltas
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
-from ddiloco.algorithm.policies import Timings, token_weights
+from ddiloco.algorithm.policies import Decision, Timings, token_weights
 from ddiloco.algorithm.round import (
     RejoinHold,
     RoundRules,
@@ -97,6 +97,8 @@ class FragmentRound:
         self.rules, self.settings, self.ctx = rules, merge, ctx
         self.inbox = Inbox(fragment.spec.numel, capacity=2)
         self.state = RoundState()
+        self.last_decision: Decision | None = None
+        """The round's latest decision and its reason (for status, logs and tests)."""
         self.event = asyncio.Event()
         self.merging = False
         self.task: asyncio.Task[None] | None = None
@@ -129,6 +131,7 @@ class FragmentRound:
             now = ctx.clock()
             decision = self.state.decide(now, self.waiting(), self.fragment.version, ctx.live(), ctx.timings(),
                                          self.rules, ctx.rejoin)
+            self.last_decision = decision
             if decision.merge:
                 try:
                     await self._merge(decision.reason, decision.grace_s)
