@@ -6,7 +6,7 @@ DiLoCo's outer step (docs/algorithm.md, synchronizer step 6) with the merged Del
 
 which is ``torch.optim.SGD(lr, momentum=mu, nesterov=True, dampening=0)``. torch creates its
 buffer as ``b = D`` on the first step; ours starts at zero, and ``mu * 0 + D`` is ``D`` exactly,
-so the two agree from the first step (tests/test_outer_optimizer.py checks against torch itself).
+so the two agree from the first step (tests/algorithm/test_outer_optimizer.py checks against torch itself).
 
 Why not call torch.optim.SGD: the synchronizer owns one flat fp32 (params, momentum) pair per
 fragment, commits both to disk after every step and may restart from them, so an optimizer object

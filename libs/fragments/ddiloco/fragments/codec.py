@@ -24,7 +24,7 @@ Three codecs behind one interface (``encode(values) -> bytes``, ``decode(payload
   sign/mantissa mode (0 raw, 1 zstd), emax, 0, escapes k, exponent bytes, sign/mantissa bytes;
   then the exponent data, k uint32 indices (increasing), k exponent bytes, the sign/mantissa data
   (sign in bit 7). A zstd plane is exactly one frame that declares its size. Decoding is strict:
-  anything malformed raises ``CodecError``; ``tests/test_codec.py`` pins the layout with an
+  anything malformed raises ``CodecError``; ``tests/fragments/test_codec.py`` pins the layout with an
   independent decoder.
 - ``int8_block``: symmetric int8 with one fp32 scale per block of values (lossy, 3.9x smaller
   than fp32); pair it with ``ErrorFeedback`` so quantisation error is carried, not lost.

@@ -21,7 +21,7 @@ from ddiloco.fragments.partition import TensorSpec
 from ddiloco.protocol import wire
 
 pb = wire.pb  # tests reach the generated messages through wire, like everything else
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETTINGS = settings(max_examples=40, deadline=None)
 
 u32 = st.integers(0, 2**32 - 1)

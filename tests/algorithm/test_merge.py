@@ -2,8 +2,8 @@
 
 The reference below is written from the formula, not from the optimised code:
 ``RDA = (sum w|D|/sum w) * unit(sum w unit(D) / sum w)`` per tensor, weighted mean for
-embeddings. Golden numerics live in tests/golden/merge.json; regenerate them (after a deliberate
-numerical change, and review the diff) with ``DDILOCO_REWRITE_GOLDEN=1 pytest tests/test_merge.py``.
+embeddings. Golden numerics live in tests/algorithm/golden/merge.json; regenerate them (after a deliberate
+numerical change, and review the diff) with ``DDILOCO_REWRITE_GOLDEN=1 pytest tests/algorithm/test_merge.py``.
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ def test_golden_fixture():
                                                  case["embedding"], method).tolist()
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(json.dumps({"about": "merge_deltas golden numerics; rewrite with "
-                                               "DDILOCO_REWRITE_GOLDEN=1 pytest tests/test_merge.py",
+                                               "DDILOCO_REWRITE_GOLDEN=1 pytest tests/algorithm/test_merge.py",
                                       "cases": cases}, indent=1) + "\n")
         pytest.skip(f"rewrote {GOLDEN}")
     doc = json.loads(GOLDEN.read_text())

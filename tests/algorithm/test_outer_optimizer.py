@@ -3,8 +3,8 @@
 The merged Delta plays the gradient: torch's step with ``p.grad = delta`` must give the same
 params and momentum, to fp32 rounding (ours fuses the update into three multiply-adds, so the
 last bit may differ). Golden numerics live
-in tests/golden/outer_nesterov.json; regenerate them (after a deliberate numerical change, and
-review the diff) with ``DDILOCO_REWRITE_GOLDEN=1 pytest tests/test_outer_optimizer.py``.
+in tests/algorithm/golden/outer_nesterov.json; regenerate them (after a deliberate numerical change, and
+review the diff) with ``DDILOCO_REWRITE_GOLDEN=1 pytest tests/algorithm/test_outer_optimizer.py``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_golden_fixture():
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(json.dumps({
             "about": "OuterNesterov(lr=0.7, momentum=0.9) golden numerics; rewrite with "
-                     "DDILOCO_REWRITE_GOLDEN=1 pytest tests/test_outer_optimizer.py",
+                     "DDILOCO_REWRITE_GOLDEN=1 pytest tests/algorithm/test_outer_optimizer.py",
             "lr": 0.7, "momentum": 0.9, "params0": theta0.tolist(), "steps": steps}, indent=1) + "\n")
         pytest.skip(f"rewrote {GOLDEN}")
     doc = json.loads(GOLDEN.read_text())

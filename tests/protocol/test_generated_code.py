@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECKED_IN = ROOT / "libs" / "protocol" / "ddiloco" / "v1"
 FIX = "run `python scripts/gen_protos.py` and commit libs/protocol/ddiloco/v1"
 
