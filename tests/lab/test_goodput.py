@@ -349,9 +349,15 @@ def test_load_run_dir_sorts_logs_by_content(tmp_path: Path) -> None:
     _write(tmp_path / "learners" / "1.jsonl", [*steps(2)])
     _write(tmp_path / "synchronizer.jsonl", [merge(3.0), {"event": "sync_start", "t": 0.0}])
     _write(tmp_path / "other.jsonl", [{"event": "metric", "t": 0.0}])
+    nested = tmp_path / "baseline"  # another run's folder inside this one (ddiloco run --baseline auto)
+    (nested / "learners").mkdir(parents=True)
+    (nested / "config.yaml").write_text("run: {}\n")
+    _write(nested / "learners" / "0.jsonl", all_merged(3, lid="l0"))
+    _write(nested / "synchronizer.jsonl", [merge(9.0)])
     logs = load_run_dir(tmp_path)
-    assert sorted(logs.learners) == ["1", "l0"]
+    assert sorted(logs.learners) == ["1", "l0"] and len(logs.learners["l0"]) == len(all_merged(3, lid="l0"))
     assert [e["event"] for e in logs.merges] == ["sync_start", "merge"]
+    assert len(load_run_dir(nested).merges) == 1
 
 
 def test_short_loop_gaps_of_one_learner_are_progress_but_stalls_are_not() -> None:

@@ -128,8 +128,16 @@ class RunLogs:
     """The synchronizer's merge log (``merge``, ``sync_start``, ``sync_stop``), sorted by time."""
 
 
+def _parents_below(path: Path, root: Path) -> list[Path]:
+    """The folders between ``root`` (excluded) and ``path``, relative to ``root``."""
+    rel = path.parent.relative_to(root)
+    return [Path(*rel.parts[: i + 1]) for i in range(len(rel.parts))]
+
+
 def load_run_dir(run_dir: str | os.PathLike[str]) -> RunLogs:
-    """Load every ``*.jsonl`` under ``run_dir`` (recursively) and sort the logs by content.
+    """Load every ``*.jsonl`` under ``run_dir`` (recursively, but not into another run's folder
+    nested in it, such as ``baseline/``: a folder with its own ``config.yaml``) and sort the logs
+    by content.
 
     A file holding any ``merge``/``sync_start``/``sync_stop`` event is (part of) the merge log;
     several such files (a sharded synchronizer) are concatenated. A file holding ``start`` or
@@ -138,7 +146,10 @@ def load_run_dir(run_dir: str | os.PathLike[str]) -> RunLogs:
     """
     learners: dict[str, list[dict[str, Any]]] = {}
     merges: list[dict[str, Any]] = []
-    for path in sorted(Path(run_dir).rglob("*.jsonl")):
+    root = Path(run_dir)
+    for path in sorted(root.rglob("*.jsonl")):
+        if any((root / sub / "config.yaml").exists() for sub in _parents_below(path, root)):
+            continue
         events = load_jsonl(path)
         kinds = {e.get("event") for e in events}
         if kinds & MERGE_LOG_EVENTS:
