@@ -93,7 +93,11 @@ class ScriptedLearner:
         self.results: list[wire.ContributionResult] = []
         self.globals: list[Transfer] = []
         self.control: list[object] = []
+        self.requests: list[wire.FragmentRequest] = []
         self._pump: asyncio.Task[None] | None = None
+        self._beat: asyncio.Task[None] | None = None
+        self.step_time_s = 0.1
+        """What its heartbeats report (the fleet's clock runs at this pace)."""
         self.closed: Exception | None = None
 
     def hello(self, **overrides) -> wire.Hello:
@@ -111,8 +115,17 @@ class ScriptedLearner:
         self.welcome = await self.stream.open(self.hello(**hello_overrides))
         return self.welcome
 
-    def start_pump(self) -> None:
+    def start_pump(self, heartbeat_s: float = 0.2) -> None:
+        """Read the stream on a task, and heartbeat every ``heartbeat_s`` like a real learner (0: not)."""
         self._pump = asyncio.create_task(self._pump_loop())
+        if heartbeat_s > 0:
+            self._beat = asyncio.create_task(self._beat_loop(heartbeat_s))
+
+    async def _beat_loop(self, every_s: float) -> None:
+        with contextlib.suppress(Exception):
+            while True:
+                await asyncio.sleep(every_s)
+                await self.heartbeat(step_time_s=self.step_time_s)
 
     async def _pump_loop(self) -> None:
         try:
@@ -122,6 +135,8 @@ class ScriptedLearner:
                     self.globals.append(msg)
                 elif isinstance(msg, wire.ContributionResult):
                     self.results.append(msg)
+                elif isinstance(msg, wire.FragmentRequest):
+                    self.requests.append(msg)
                 else:
                     self.control.append(msg)
         except Exception as exc:
@@ -151,9 +166,21 @@ class ScriptedLearner:
         await self.stream.send_transfer(chunks)
         return seq
 
-    async def heartbeat(self, step: int = 1, step_time_s: float = 0.1) -> None:
+    async def heartbeat(self, step: int = 1, step_time_s: float | None = None, training_done: bool = False) -> None:
+        if step_time_s is not None:
+            self.step_time_s = step_time_s
         await self.stream.send(wire.Heartbeat(step=step, tokens_total=step * 100, tokens_per_s=1000.0,
-                                              step_time_s=step_time_s))
+                                              step_time_s=self.step_time_s, training_done=training_done))
+
+    async def wait_request(self, fragment: int, after_round: int = 0, timeout_s: float = 10.0) -> wire.FragmentRequest:
+        """The synchronizer's next request for ``fragment`` (a round after ``after_round``)."""
+        def found() -> wire.FragmentRequest | None:
+            return next((r for r in self.requests if r.fragment_id == fragment and r.round > after_round), None)
+
+        await eventually(lambda: found() is not None, timeout_s, f"a request for fragment {fragment}")
+        request = found()
+        assert request is not None
+        return request
 
     def result_for(self, sequence: int) -> wire.ContributionResult | None:
         return next((r for r in self.results if r.sequence == sequence), None)
@@ -173,6 +200,10 @@ class ScriptedLearner:
         return decode_fragment(transfer, self.layout)
 
     async def close(self, goodbye: str | None = None) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._beat
         await self.stream.close(goodbye)
         if self._pump is not None:
             self._pump.cancel()

@@ -171,12 +171,12 @@ def test_quorum_larger_than_the_fleet_does_not_stall():
     assert d.merge
 
 
-def test_no_live_learners_still_merges_after_grace():
-    # Every learner dropped out after contributing: the work is merged, not lost.
-    policy = QuorumPolicy(quorum=0)
-    v = view({"a"}, set(), quorum_at=100.0)
-    assert not decide(100.0, v, TIMINGS, TAU, policy).merge
-    assert decide(100.0 + GRACE, v, TIMINGS, TAU, policy).merge
+@pytest.mark.parametrize("quorum", [0, 1, 3])
+def test_with_no_live_learner_what_arrived_merges_at_once(quorum):
+    # Every learner finished or dropped out after contributing: nobody else is coming, so the
+    # work is merged at once, not lost and not held for a grace window.
+    d = decide(100.0, view({"a"}, set(), quorum_at=100.0), TIMINGS, TAU, QuorumPolicy(quorum=quorum))
+    assert d.merge and d.reason.startswith("no live learner")
 
 
 # -- policy validation and running averages --------------------------------------------------------

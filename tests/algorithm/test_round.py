@@ -19,8 +19,7 @@ from ddiloco.algorithm.round import (
     staleness_verdict,
 )
 
-RULES = RoundRules(policy=QuorumPolicy(quorum=1, grace_gamma=0.5, max_grace_s=10.0), overlap=2, sync_every=4,
-                   stale_round_s=30.0)
+RULES = RoundRules(policy=QuorumPolicy(quorum=1, grace_gamma=0.5, max_grace_s=10.0), overlap=2)
 TIMINGS = Timings(step_time_s=1.0, quorum_time_s=0.0, sync_time_s=0.0)  # grace = 0.5 * 2 * 1.0 = 1.0 s
 LIVE = frozenset({"a", "b", "c"})
 
@@ -29,47 +28,61 @@ def w(lid: str, base: int, at: float) -> Waiting:
     return Waiting(lid, base, at)
 
 
-def test_a_round_opens_with_its_first_fresh_contribution_and_latches_its_quorum() -> None:
+def test_a_round_opens_when_requested_and_latches_its_quorum() -> None:
     s = RoundState()
-    d = s.decide(10.0, [w("a", 5, 9.5)], 5, LIVE, TIMINGS, RULES)
-    assert (s.opened_at, s.quorum_at) == (9.5, 10.0)
+    waiting = [w("a", 5, 9.5)]
+    d = s.decide(10.0, waiting, 5, LIVE, TIMINGS, RULES)
+    assert not d.merge and s.opened_at is None, "a contribution alone does not open a round"
+    s.open(10.0, 1, waiting=True)
+    d = s.decide(10.0, waiting, 5, LIVE, TIMINGS, RULES)
+    assert (s.round, s.opened_at, s.quorum_at) == (1, 10.0, 10.0), "the waiting answer meets the quorum"
     assert not d.merge and d.wake_at == pytest.approx(11.0) and d.grace_s == pytest.approx(1.0)
-    d = s.decide(10.5, [w("a", 5, 9.5), w("b", 5, 10.4)], 5, LIVE, TIMINGS, RULES)
+    d = s.decide(10.5, [*waiting, w("b", 5, 10.4)], 5, LIVE, TIMINGS, RULES)
     assert s.quorum_at == 10.0 and not d.merge, "later arrivals do not move the grace window"
-    d = s.decide(11.0, [w("a", 5, 9.5), w("b", 5, 10.4)], 5, LIVE, TIMINGS, RULES)
+    d = s.decide(11.0, [*waiting, w("b", 5, 10.4)], 5, LIVE, TIMINGS, RULES)
     assert d.merge and "elapsed" in d.reason
-    assert s.quorum_time_s == pytest.approx(0.5)
-    assert s.close() == (9.5, 10.0) and (s.opened_at, s.quorum_at) == (None, None)
+    assert s.close() == (10.0, 10.0) and (s.opened_at, s.quorum_at) == (None, None)
+
+
+def test_quorum_time_counts_from_the_request() -> None:
+    s = RoundState()
+    s.open(20.0, 3, waiting=False)
+    assert not s.decide(20.1, [], 5, LIVE, TIMINGS, RULES).merge
+    s.decide(20.3, [w("a", 5, 20.3)], 5, LIVE, TIMINGS, RULES)
+    assert s.quorum_time_s == pytest.approx(0.3)
+
+
+def test_an_empty_round_is_reopened_by_the_next_request_and_a_waiting_one_is_not() -> None:
+    s = RoundState()
+    s.open(1.0, 1, waiting=False)
+    s.open(2.0, 2, waiting=False)
+    assert (s.round, s.opened_at) == (2, 2.0)
+    s.open(3.0, 3, waiting=True)
+    assert (s.round, s.opened_at) == (3, 2.0), "a round holding contributions keeps its start (and timeout)"
 
 
 def test_every_live_learner_fresh_merges_at_once_but_stale_leftovers_do_not_count() -> None:
     s = RoundState()
+    s.open(1.0, 1, waiting=False)
     waiting = [w("a", 5, 1.0), w("b", 5, 1.1), w("c", 4, 1.2)]
     d = s.decide(1.3, waiting, 5, LIVE, TIMINGS, RULES)
-    assert not d.merge, "c's contribution is from the previous version: its next one is not here yet"
+    assert not d.merge, "c's contribution is from the previous version: its answer is not here yet"
     d = s.decide(1.3, [*waiting[:2], w("c", 5, 1.25)], 5, LIVE, TIMINGS, RULES)
     assert d.merge and d.reason == "all 3 live learners contributed"
 
 
-def test_stale_contributions_alone_wait_then_open_a_round() -> None:
+def test_with_nobody_live_to_ask_what_waits_merges() -> None:
     s = RoundState()
-    waiting = [w("a", 4, 0.0)]
-    assert s.observe(10.0, waiting, 5, LIVE, 1.0, RULES).opened_at is None
-    assert s.observe(29.9, waiting, 5, LIVE, 1.0, RULES).opened_at is None
-    assert s.observe(30.0, waiting, 5, LIVE, 1.0, RULES).opened_at == 30.0
-
-
-def test_stale_contributions_of_every_live_learner_open_after_one_period() -> None:
-    s = RoundState()
-    waiting = [w("a", 4, 0.0), w("b", 4, 1.0)]
-    live = frozenset({"a", "b"})
-    assert s.observe(3.9, waiting, 5, live, 1.0, RULES).opened_at is None  # H * step = 4 s
-    assert s.observe(4.0, waiting, 5, live, 1.0, RULES).opened_at == 4.0
+    waiting = [w("a", 4, 0.0), w("b", 5, 1.0)]
+    assert s.observe(10.0, waiting, 5, LIVE, RULES).opened_at is None
+    d = s.decide(10.0, waiting, 5, frozenset(), TIMINGS, RULES)
+    assert s.opened_at == 10.0 and d.merge, "the end of a run: every learner finished"
 
 
 def test_below_quorum_a_timeout_merges_what_arrived() -> None:
-    rules = RoundRules(policy=QuorumPolicy(quorum=0, timeout_s=5.0), overlap=2, sync_every=4, stale_round_s=30.0)
+    rules = RoundRules(policy=QuorumPolicy(quorum=0, timeout_s=5.0), overlap=2)
     s = RoundState()
+    s.open(1.0, 1, waiting=True)
     d = s.decide(1.0, [w("a", 0, 1.0)], 0, LIVE, TIMINGS, rules)
     assert not d.merge and d.wake_at == 6.0
     assert s.decide(6.0, [w("a", 0, 1.0)], 0, LIVE, TIMINGS, rules).merge
@@ -78,11 +91,13 @@ def test_below_quorum_a_timeout_merges_what_arrived() -> None:
 def test_the_rejoin_hold_waits_for_the_last_merges_learners_until_its_deadline() -> None:
     hold = RejoinHold(frozenset({"a", "b"}), until=20.0)
     s = RoundState()
+    s.open(10.0, 1, waiting=True)
     d = s.decide(10.0, [w("a", 3, 10.0)], 3, frozenset({"a"}), TIMINGS, RULES, hold)
     assert not d.merge and d.wake_at == 20.0 and "rejoin hold" in d.reason
     d = s.decide(12.0, [w("a", 3, 10.0), w("b", 3, 11.0)], 3, frozenset({"a", "b"}), TIMINGS, RULES, hold)
     assert d.merge, "both are back: this fragment stops waiting"
     other = RoundState()
+    other.open(20.0, 1, waiting=True)
     assert other.decide(20.0, [w("a", 3, 19.0)], 3, frozenset({"a"}), TIMINGS, RULES, hold).merge
     assert hold.until is None, "past the window the hold is gone for every fragment"
 

@@ -27,11 +27,11 @@ model: {d_model: 32, n_layer: 2, n_head: 2, context: 32}
 data: {batch_size: 8, context: 32, max_bytes: 1000000}
 train: {eval_every: 0, eval_batches: 2, lr: 0.003, warmup_steps: 5}
 run: {final_eval_batches: 4}
-# The tiny model advances a fragment's version every ~0.2 s, so a learner cut off for seconds falls
+# The tiny model advances a fragment's version every ~0.1 s, so a learner cut off for seconds falls
 # dozens of versions behind: a wide staleness window keeps its work (re-anchored) instead of
-# rejecting it, and a short stale_round_s lets a lone stale learner's contributions merge.
+# rejecting it.
 synchronizer: {policy: {quorum: 1, grace_gamma: 0.5, max_grace_s: 1.0}, heartbeat_interval_s: 0.5,
-               heartbeat_timeout_s: 3.0, staleness_window: 64, stale_round_s: 1.0}
+               heartbeat_timeout_s: 3.0, staleness_window: 64}
 learner: {reconnect_max_s: 1.0}
 """
 

@@ -128,13 +128,14 @@ def test_quorum_of_all_learners_loses_more_than_quorum_one() -> None:
     cfg = SimConfig(chips=1_200_000, learners=8, hours=3.0, merge_hours=0.0)
     k1 = simulate(cfg.with_(quorum=1), ("decoupled",))[0]
     k8 = simulate(cfg.with_(quorum=8), ("decoupled",))[0]
-    assert k1.lost["late_merges"] == 0.0  # the grace window never outlasts the tau-step overlap
-    assert k8.lost["late_merges"] > 0.05
-    assert k8.goodput < k1.goodput - 0.05
-    assert k8.details["mean_contributors_per_merge"] > k1.details["mean_contributors_per_merge"]
-    # K=1 grace is exactly the policy's Eq. 3 value (no quorum wait, constant sync time).
-    grace, _ = policies.grace_window(policies.Timings(cfg.step_s, 0.0, cfg.sync_s), cfg.overlap, cfg.policy())
-    assert k1.details["mean_grace_s"] == pytest.approx(grace, rel=0.02)
+    # only answers that missed their round (they wait for the next one) come back late under K=1
+    assert k1.lost["late_merges"] < 0.005
+    assert k8.lost["late_merges"] > 0.03
+    assert k8.goodput < k1.goodput - 0.03
+    # Every learner is asked at once and answers within one step, so K=1 with the grace window
+    # gathers nearly the whole fleet (all but the paused) without waiting for anyone.
+    assert k1.details["mean_contributors_per_merge"] > 0.85 * cfg.learners
+    assert k1.details["mean_contributors_per_merge"] <= k8.details["mean_contributors_per_merge"]
 
 
 def test_failures_only_pause_one_learner() -> None:

@@ -82,6 +82,8 @@ async def test_merges_at_once_when_every_live_learner_contributed(tmp_path):
     async with running_server(cfg) as server:
         a, b = await _ready(server, "a", "b", step_time_s=10.0)
         t0 = asyncio.get_running_loop().time()
+        round_no = _request(server)
+        assert (await a.wait_request(0)).round == (await b.wait_request(0)).round == round_no
         sa = await a.contribute(0, _delta(1, a, 0), base_version=0, tokens=1000, steps=4)
         sb = await b.contribute(0, _delta(2, b, 0), base_version=0, tokens=3000, steps=4)
         ra, rb = await a.wait_result(sa), await b.wait_result(sb)
@@ -95,6 +97,15 @@ async def test_merges_at_once_when_every_live_learner_contributed(tmp_path):
         assert server.engine.fragments[0].version == 1 and server.engine.fragments[1].version == 0
         for lr in (a, b):
             await lr.close()
+
+
+def _request(server, fragment: int = 0) -> int:
+    """Fragment ``fragment`` falls due now (what the fleet's clock does at its due step): its
+    round opens and every live learner is asked for it. Returns the round number."""
+    r = server.engine.rounds[fragment]
+    round_no = r.state.round + 1
+    r.request(server.engine.clock(), round_no)
+    return round_no
 
 
 async def _decided(server, reason: str, fragment: int = 0) -> None:
@@ -121,14 +132,15 @@ async def test_quorum_k_of_m_waits_for_k_then_grace(tmp_path):
 
 @pytest.mark.parametrize("anchor,scaled", [("point", False), ("delta", True)])
 async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anchored(tmp_path, anchor, scaled):
-    # grace = clamp(0.9 * (tau=1 * step 1.5 s - 0 - sync), 0, 5) ~ 1.35 s
+    # grace = clamp(0.9 * (tau=1 * step 1.5 s - quorum time ~0 - sync), 0, 5) ~ 1.35 s
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.9, max_grace_s=5.0),
-                      stale_round_s=0.2, outer_lr=0.7, outer_momentum=0.9, stale_anchor=anchor,
+                      outer_lr=0.7, outer_momentum=0.9, stale_anchor=anchor,
                       scale_by_participation=scaled, event_log=str(tmp_path / "synchronizer.jsonl"))
     async with running_server(cfg) as server:
         a, b, c = await _ready(server, "a", "b", "c", step_time_s=1.5)
         theta0 = server.engine.fragments[0].params.clone()
         da, db, dc = _delta(1, a, 0), _delta(2, b, 0), _delta(3, c, 0)
+        _request(server)
         sa = await a.contribute(0, da, base_version=0)
         await _decided(server, "quorum 1/1; in grace")  # b arrives inside the grace window
         sb = await b.contribute(0, db, base_version=0)
@@ -138,9 +150,9 @@ async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anc
         theta1 = server.engine.fragments[0].params.clone()
         # c was computed against version 0 and arrives after the merge: staleness 1. (a and b
         # heartbeat first so that all three are still live: c's merge is 1 of 3 learners.)
-        await a.heartbeat(step_time_s=1.5)
-        await b.heartbeat(step_time_s=1.5)
         sc = await c.contribute(0, dc, base_version=0)
+        await _decided(server, "1 stale contributions; round not open yet")  # it waits for the next round
+        _request(server)
         rc = await c.wait_result(sc)
         assert rc.outcome == "merged" and rc.version == 2 and rc.staleness == 1
         # Hand-computed: merge of A,B (RDA per tensor, equal weights; 2 of 3 live learners, so a
@@ -189,9 +201,10 @@ async def test_contribution_on_a_newer_base_is_summed_with_the_missed_one_and_bo
     # a's first contribution misses merge 1 (b and c made it); a then applies version 1 and sends
     # its next progress against it. That one does not contain the first, so the two are summed.
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=2, grace_gamma=0.0, max_grace_s=0.0),
-                      stale_round_s=60.0, outer_lr=0.7, outer_momentum=0.0)
+                      outer_lr=0.7, outer_momentum=0.0)
     async with running_server(cfg) as server:
-        a, b, c = await _ready(server, "a", "b", "c")
+        a, b, c = await _ready(server, "a", "b", "c", step_time_s=10.0)  # the clock's own rounds: 40 s away
+        _request(server)
         theta0 = server.engine.fragments[0].params.clone()
         db, dc = _delta(2, b, 0), _delta(3, c, 0)
         sb, sc = await b.contribute(0, db, base_version=0), await c.contribute(0, dc, base_version=0)
@@ -205,6 +218,7 @@ async def test_contribution_on_a_newer_base_is_summed_with_the_missed_one_and_bo
         await eventually(lambda: [p.sequence for e in inbox.entries for p in e.parts()] == [s1, s0],
                          what="the newer contribution carrying the missed one")
         assert a.result_for(s0) is None, "the older contribution must not be superseded"
+        _request(server)
         sb2 = await b.contribute(0, db, base_version=1, tokens=100, steps=4)
         r0, r1, rb = await a.wait_result(s0), await a.wait_result(s1), await b.wait_result(sb2)
         assert r0.outcome == r1.outcome == rb.outcome == "merged" and r0.version == r1.version == 2
@@ -438,22 +452,67 @@ async def test_goodbye_reaches_the_synchronizer_while_other_writes_are_in_flight
         assert server.engine.membership.learners["a"].left == "said goodbye (finished)"
 
 
-async def test_stale_contributions_of_every_live_learner_open_a_round_at_once(tmp_path):
-    # Version 1 is merged from a alone; then both send contributions against version 0 (stale by
-    # one; what learners do as they stop). One stale contribution waits for stale_round_s (60 s
-    # here); once every live learner has one waiting, they merge at once.
-    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0),
-                      stale_round_s=60.0)
+async def test_the_fleet_clock_asks_every_live_learner_at_the_fastest_pace(tmp_path):
+    """K=1: the clock runs at the fastest live learner's pace. With P=2, H=4 (offsets 0 and 2)
+    fragment 1 falls due at fleet step 2 and fragment 0 at step 4, then every 4 steps."""
+    async with running_server(sync_config(tmp_path, policy=QuorumPolicy(quorum=1, max_grace_s=0.0))) as server:
+        a, b = await _ready(server, "a", "b", step_time_s=0.2)
+        b.step_time_s = 0.6  # b is slower; a paces the clock
+        await b.heartbeat()
+        await a.wait_request(0, timeout_s=5)
+        first = [(r.fragment_id, r.round) for r in a.requests[:4]]
+        assert first == [(1, 1), (0, 1), (1, 2), (0, 2)] or first[:2] == [(1, 1), (0, 1)], first
+        await eventually(lambda: len(a.requests) >= 6, timeout_s=5, what="more requests")
+        assert [(r.fragment_id, r.round) for r in b.requests[:2]] == [(1, 1), (0, 1)], "every live learner is asked"
+        status = server.engine.status()
+        assert status.fleet_step >= 4 and {f.fragment_id: f.round for f in status.fragments}[0] >= 1
+        # the pace is the fastest learner's: about 5 fleet steps a second, not 1.7
+        s0, t0 = server.engine.fleet.steps, server.engine.clock()
+        await asyncio.sleep(1.0)  # measuring a rate over a second of wall time
+        rate = (server.engine.fleet.steps - s0) / (server.engine.clock() - t0)
+        assert 3.5 < rate < 6.5, rate
+        for lr in (a, b):
+            await lr.close()
+
+
+async def test_a_finished_learner_stops_counting_and_what_waits_merges_when_nobody_is_left(tmp_path):
+    # a and b finish (their heartbeats say so) with their last progress, unsolicited, waiting in the
+    # inbox: nobody is left to ask, so it merges without waiting for a request.
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=0, grace_gamma=0.0, max_grace_s=0.0, timeout_s=60))
     async with running_server(cfg) as server:
-        a, b = await _ready(server, "a", "b")
-        first = await a.wait_result(await a.contribute(0, _delta(1, a, 0), base_version=0))
-        assert first.outcome == "merged" and first.version == 1
+        a, b = await _ready(server, "a", "b", step_time_s=10.0)
+        sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        await a.heartbeat(training_done=True)
+        await eventually(lambda: server.engine.membership.live(server.engine.clock()) == {"b"}, what="a done")
+        assert a.result_for(sa) is None
         sb = await b.contribute(0, _delta(2, b, 0), base_version=0)
-        await _decided(server, "1 stale contributions; round not open yet")
-        assert b.result_for(sb) is None and server.engine.fragments[0].version == 1
-        sa = await a.contribute(0, _delta(3, a, 0), base_version=0)
+        await b.heartbeat(training_done=True)
         ra, rb = await a.wait_result(sa, timeout_s=5), await b.wait_result(sb, timeout_s=5)
-        assert ra.outcome == rb.outcome == "merged" and ra.version == rb.version == 2
-        assert ra.staleness == rb.staleness == 1
+        assert ra.outcome == rb.outcome == "merged" and ra.version == rb.version == 1
+        assert server.engine.rounds[0].state.round == 0, "no request opened it: the clock is 40 s away"
+        for lr in (a, b):
+            await lr.close()
+
+
+async def test_a_learner_sending_non_finite_values_stops_counting_until_a_good_one_arrives(tmp_path):
+    # K=0: the round waits for every live learner. b's contribution is refused as non-finite, so b
+    # has nothing valid to give and a's merges at once instead of waiting for the timeout.
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=0, grace_gamma=0.0, max_grace_s=0.0, timeout_s=60))
+    async with running_server(cfg) as server:
+        a, b = await _ready(server, "a", "b", step_time_s=10.0)
+        _request(server)
+        bad = _delta(2, b, 0)
+        bad[3] = float("nan")
+        sbad = await b.contribute(0, bad, base_version=0)
+        assert (await b.wait_result(sbad)).reason == "non_finite"
+        assert server.engine.membership.live(server.engine.clock()) == {"a"}
+        sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        assert (await a.wait_result(sa, timeout_s=5)).version == 1
+        _request(server)
+        sb = await b.contribute(0, _delta(3, b, 0), base_version=1)  # healed: counts again
+        await eventually(lambda: server.engine.membership.live(server.engine.clock()) == {"a", "b"},
+                         what="b live again")
+        await _decided(server, "waiting for quorum: 1/2")
+        assert b.result_for(sb) is None
         for lr in (a, b):
             await lr.close()

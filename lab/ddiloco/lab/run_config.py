@@ -54,13 +54,8 @@ DEFAULTS: dict[str, Any] = {
     "protocol": {"num_fragments": 24, "sync_every": 24, "overlap": 2},
     "data": {"batch_size": 16, "context": 128},
     "train": {"eval_every": 0, "eval_batches": 8},
-    # Decoupled merges wait for every live learner's fresh contribution (quorum 0; learners never
-    # wait, timeout_s bounds a merge's wait, heartbeats drop a stalled learner from "live").
-    # docs/design-notes.md, "Quorum and staleness", has the measurements behind it.
-    "synchronizer": {"policy": {"quorum": 0, "grace_gamma": 0.8, "max_grace_s": 5.0}},
+    # The synchronizer's own defaults: quorum 1 plus the adaptive grace window, as deployed.
 }
-DECOUPLED_TIMEOUT_S = 20.0
-"""The merge timeout a local decoupled run adds to its every-live-learner quorum."""
 
 
 def merge_documents(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -90,10 +85,6 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
     doc["train"]["seed"] = run.seed
     doc["data"]["seed"] = run.seed
     doc["protocol"]["mode"] = "decoupled" if run.mode == "dp" else run.mode
-    if run.mode == "decoupled":
-        policy = doc["synchronizer"].setdefault("policy", {})
-        if isinstance(policy, dict):
-            policy.setdefault("timeout_s", DECOUPLED_TIMEOUT_S)
     return run, doc
 
 

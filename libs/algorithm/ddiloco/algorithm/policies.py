@@ -5,9 +5,10 @@ behaviour proven in a test or measured in the simulator is the behaviour of the 
 here reads a clock or does I/O: ``now`` is always passed in, and every decision carries its
 reason, which ends up in logs, metrics and status.
 
-Decision for one fragment's round (a round opens with the first contribution after a merge):
+Decision for one fragment's round (a round opens when the fragment falls due and the
+synchronizer asks the learners for it; see ``round``):
 
-1. No contribution yet: wait.
+1. No contribution yet: wait. With none of them live, merge what is there (nobody else is coming).
 2. Fewer than the required quorum K: wait (streaming mode: merge what arrived once ``timeout_s``
    has passed since the round opened, so one dead learner cannot stall everyone forever).
 3. Every live learner has contributed to this round (against the current version): merge at once.
@@ -129,8 +130,10 @@ def decide(now: float, view: RoundView, timings: Timings, overlap: int, policy: 
         return Decision(False, "no contributions")
     if view.opened_at is None:
         return Decision(False, f"{len(view.contributors)} stale contributions; round not open yet")
+    if not view.live:
+        return Decision(True, f"no live learner to wait for; merging {len(view.contributors)} contributions")
     arrived = view.contributors if view.fresh is None else view.fresh
-    if view.live and view.live <= arrived:
+    if view.live <= arrived:
         return Decision(True, f"all {len(view.live)} live learners contributed")
     reached, why = quorum_reached(view, policy)
     if not reached:

@@ -7,13 +7,19 @@ caller passes ``now``, what waits in the inbox, the fragment's version and who i
 
 Decisions, and why:
 
-- **A round opens with the first fresh contribution** (computed against the current version).
-  Stale ones (an older base, within the staleness window) wait and join the next round rather
-  than opening one: letting each late arrival open a round of its own made a default run diverge.
-- **Stale contributions alone open a round after ``stale_round_s``**, or after one period (H steps
-  at the fleet's step time) once every live learner has one waiting: by then each learner would
-  have sent its next contribution for this fragment, so nothing fresher is coming. That is the
-  end of every finite run, whose last contributions are often a version behind.
+- **A round opens when the fragment falls due** on the fleet's clock (``fleet_clock``) and the
+  synchronizer asks every live learner for it (``open``); the quorum time of the grace window is
+  measured from that request. Contributions that arrive between rounds (a late answer, a
+  learner's last progress as it finishes) wait for the next request, where stale ones are
+  re-anchored. With nobody live left to ask, waiting contributions open a round at once (the end
+  of a finite run).
+- **Where learners wait for merges** (streaming, diloco) they send at their own due steps, and a
+  round opens with its first fresh contribution (``RoundRules.learner_clocked``; see
+  ``ddiloco.core.modes`` for why).
+- **A round without contributions is re-opened by the next request**, so its quorum time counts
+  from the request that is being answered; one that holds contributions stays open.
+- **"Every live learner has contributed" counts fresh contributions only** (against the current
+  version): a stale leftover says nothing about whether the learner's answer is near.
 - **The quorum latches.** The moment a round first reaches its quorum starts the grace window
   and is not moved by later arrivals or departures.
 - **The rejoin hold.** After a restart on existing state, a merge waits (until ``until``) for the
@@ -50,10 +56,9 @@ class RoundRules:
     """Quorum K, grace gamma and clamp, merge timeout."""
     overlap: int
     """tau: the overlap whose slack the grace window spends."""
-    sync_every: int
-    """H: inner steps between two syncs of one fragment (one period)."""
-    stale_round_s: float
-    """The longest stale contributions wait before they open a round of their own."""
+    learner_clocked: bool = False
+    """Learners send at their own due steps (the modes where they wait for merges): a round opens
+    with its first fresh contribution instead of a request."""
 
 
 @dataclass(frozen=True)
@@ -103,28 +108,28 @@ class RejoinHold:
 
 @dataclass
 class RoundState:
-    """The open round of one fragment: when it opened and when it reached its quorum."""
+    """The open round of one fragment: which round, when it was requested, when it reached its quorum."""
 
+    round: int = 0
     opened_at: float | None = None
     quorum_at: float | None = None
 
-    def _stale_wait(self, waiting: list[Waiting], live: frozenset[str], step_time_s: float,
-                    rules: RoundRules) -> float:
-        wait = rules.stale_round_s
-        if live and live <= {w.learner_id for w in waiting} and step_time_s > 0:
-            wait = min(wait, rules.sync_every * step_time_s)
-        return wait
+    def open(self, now: float, round_no: int, *, waiting: bool) -> None:
+        """The fragment fell due and every live learner was asked for it (``waiting``: the inbox
+        already holds contributions, which keep an open round open)."""
+        self.round = round_no
+        if self.opened_at is None or not waiting:
+            self.opened_at, self.quorum_at = now, None
 
     def observe(self, now: float, waiting: Iterable[Waiting], version: int, live: frozenset[str],
-                step_time_s: float, rules: RoundRules) -> RoundView:
-        """Bring the round up to ``now`` (it may open, its quorum may latch) and describe it."""
+                rules: RoundRules) -> RoundView:
+        """Bring the round up to ``now`` (its quorum may latch) and describe it."""
         waiting = list(waiting)
-        if self.opened_at is None and waiting:
-            fresh_arrivals = [w.arrived_at for w in waiting if w.base_version == version]
-            if fresh_arrivals:
-                self.opened_at = min(fresh_arrivals)
-            elif now - min(w.arrived_at for w in waiting) >= self._stale_wait(waiting, live, step_time_s, rules):
-                self.opened_at = now
+        fresh_arrivals = [w.arrived_at for w in waiting if w.base_version == version]
+        if self.opened_at is None and rules.learner_clocked and fresh_arrivals:
+            self.opened_at = min(fresh_arrivals)
+        if self.opened_at is None and waiting and not live:
+            self.opened_at = now  # nobody left to ask: what waits is all there will be
         contributors = frozenset(w.learner_id for w in waiting)
         fresh = frozenset(w.learner_id for w in waiting if w.base_version == version)
         view = RoundView(self.opened_at, self.quorum_at, contributors, live, fresh)
@@ -136,7 +141,7 @@ class RoundState:
     def decide(self, now: float, waiting: Iterable[Waiting], version: int, live: frozenset[str],
                timings: Timings, rules: RoundRules, rejoin: RejoinHold | None = None) -> Decision:
         """Merge now, or wait and until when (``Decision.wake_at``)."""
-        view = self.observe(now, waiting, version, live, timings.step_time_s, rules)
+        view = self.observe(now, waiting, version, live, rules)
         decision = decide(now, view, timings, rules.overlap, rules.policy)
         if decision.merge and rejoin is not None:
             hold = rejoin.hold(now, view.fresh or frozenset())

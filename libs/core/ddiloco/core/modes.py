@@ -6,12 +6,20 @@ any component validates it, and each component's validation refuses a config tha
 its mode's preset (say, a diloco protocol with 24 fragments) instead of silently changing it.
 
 - ``decoupled`` (Decoupled DiLoCo): P fragments on staggered offsets, overlap tau, merges after a
-  minimum quorum K plus the adaptive grace window; learners never wait.
+  minimum quorum K plus the adaptive grace window; learners never wait. The synchronizer clocks
+  the rounds: it asks every live learner for a fragment when it falls due on the fleet's clock.
 - ``streaming`` (Streaming DiLoCo): the same fragments and overlap, but every merge waits for
   every live learner (bounded by a timeout), and each learner waits for the merged fragment tau
   steps after sending it.
 - ``diloco`` (DiLoCo): one fragment (the whole model), no overlap, every live learner, and
   learners block until the merged model arrives.
+
+In the two modes where learners wait for merges, each learner sends a fragment when its *own*
+step count reaches the fragment's offset, as those algorithms define it: the waiting keeps the
+fleet in lockstep, so the contributions of a round are aligned without a clock, and every learner
+makes exactly H steps per period. Clocked by the synchronizer instead, a fleet whose steps are
+faster than its heartbeats ran ahead of the clock (a 40-step diloco run finished before the first
+request) and rounds covered fewer than H steps (the waiting counted in the clock's pace).
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ class ModePreset:
     """Merge timeout used when the config sets none (so one dead learner cannot stall a round
     that waits for every live learner forever)."""
     learners_wait: bool
-    """Whether a learner blocks for a merged fragment (tau steps after sending it)."""
+    """Whether a learner blocks for a merged fragment (tau steps after sending it). These modes
+    are also learner-clocked: a learner sends a fragment at its own due step, not on request."""
 
 
 PRESETS: dict[str, ModePreset] = {

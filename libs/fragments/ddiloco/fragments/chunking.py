@@ -63,6 +63,8 @@ class TransferHeader:
     layout_hash: str = ""
     learner_step: int = 0
     sent_at_unix: float = 0.0
+    round: int = 0
+    """The request a contribution answers (0: unsolicited)."""
 
     def __post_init__(self) -> None:
         if self.kind not in PAYLOAD_KINDS:

@@ -26,7 +26,7 @@ from ddiloco.fragments.partition import Fragment, FragmentLayout
 
 def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, kind: str, version: int,
                     transfer_id: int, layout_hash: str = "", sequence: int = 0, tokens: int = 0,
-                    steps: int = 0, learner_step: int = 0,
+                    steps: int = 0, learner_step: int = 0, round: int = 0,
                     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                     payload: bytes | None = None) -> list[Chunk]:
     """Encode ``values`` (flat fp32, the fragment's concatenated tensors) as a chunked transfer.
@@ -40,7 +40,7 @@ def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, k
         kind=kind, fragment_id=fragment.index, version=version, codec=codec.name, tensors=fragment.tensors,
         num_values=fragment.numel, sequence=sequence, tokens=tokens, steps=steps,
         block_size=codec.block_size if isinstance(codec, Int8BlockCodec) else 0,
-        layout_hash=layout_hash, learner_step=learner_step,
+        layout_hash=layout_hash, learner_step=learner_step, round=round,
     )
     data = payload if payload is not None else codec.encode(values)
     return split(header, data, transfer_id=transfer_id, max_chunk_bytes=max_chunk_bytes)

@@ -105,6 +105,7 @@ class Heartbeat:
     tokens_per_s: float
     step_time_s: float
     sent_at_unix: float = 0.0
+    training_done: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +145,13 @@ class Resync:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FragmentRequest:
+    fragment_id: int
+    round: int
+    version: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Drain:
     reason: str = ""
     deadline_s: float = 30.0
@@ -180,6 +188,7 @@ class FragmentStatus:
     pending: int = 0
     last_grace_s: float = 0.0
     num_values: int = 0
+    round: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,10 +204,11 @@ class StatusReply:
     merges_total: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     token_goodput: float = 0.0
+    fleet_step: float = 0.0
 
 
 LearnerMessage = Hello | Chunk | Heartbeat | Goodbye
-SynchronizerMessage = Welcome | Chunk | ContributionResult | Resync | Drain
+SynchronizerMessage = Welcome | Chunk | ContributionResult | Resync | Drain | FragmentRequest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +242,7 @@ def header_to_pb(h: TransferHeader) -> pb.FragmentHeader:
         tokens=h.tokens, steps=h.steps, codec=codec_to_pb(h.codec), block_size=h.block_size,
         tensors=[pb.TensorSpec(name=t.name, shape=list(t.shape), dtype=_DTYPES[t.dtype]) for t in h.tensors],
         num_values=h.num_values, encoded_bytes=h.encoded_bytes, chunk_count=h.chunk_count, digest=h.digest,
-        layout_hash=h.layout_hash, learner_step=h.learner_step, sent_at_unix=h.sent_at_unix,
+        layout_hash=h.layout_hash, learner_step=h.learner_step, sent_at_unix=h.sent_at_unix, round=h.round,
     )
 
 
@@ -251,7 +261,7 @@ def header_from_pb(m: pb.FragmentHeader) -> TransferHeader:
         tokens=m.tokens, steps=m.steps, codec=codec_from_pb(m.codec), block_size=m.block_size,
         tensors=tuple(tensors), num_values=m.num_values, encoded_bytes=m.encoded_bytes,
         chunk_count=m.chunk_count, digest=m.digest, layout_hash=m.layout_hash,
-        learner_step=m.learner_step, sent_at_unix=m.sent_at_unix,
+        learner_step=m.learner_step, sent_at_unix=m.sent_at_unix, round=m.round,
     )
 
 
@@ -273,7 +283,7 @@ def learner_message_to_pb(msg: LearnerMessage) -> pb.LearnerMessage:
     if isinstance(msg, Heartbeat):
         return pb.LearnerMessage(heartbeat=pb.Heartbeat(
             step=msg.step, tokens_total=msg.tokens_total, tokens_per_s=msg.tokens_per_s,
-            step_time_s=msg.step_time_s, sent_at_unix=msg.sent_at_unix))
+            step_time_s=msg.step_time_s, sent_at_unix=msg.sent_at_unix, training_done=msg.training_done))
     if isinstance(msg, Hello):
         return pb.LearnerMessage(hello=pb.Hello(
             learner_id=msg.learner_id, model_fingerprint=msg.model_fingerprint, layout_hash=msg.layout_hash,
@@ -292,7 +302,7 @@ def learner_message_from_pb(m: pb.LearnerMessage) -> LearnerMessage:
     if body == "heartbeat":
         h = m.heartbeat
         return Heartbeat(step=h.step, tokens_total=h.tokens_total, tokens_per_s=h.tokens_per_s,
-                         step_time_s=h.step_time_s, sent_at_unix=h.sent_at_unix)
+                         step_time_s=h.step_time_s, sent_at_unix=h.sent_at_unix, training_done=h.training_done)
     if body == "hello":
         h = m.hello
         return Hello(learner_id=h.learner_id, model_fingerprint=h.model_fingerprint, layout_hash=h.layout_hash,
@@ -324,6 +334,9 @@ def synchronizer_message_to_pb(msg: SynchronizerMessage) -> pb.SynchronizerMessa
             detail=msg.detail))
     if isinstance(msg, Drain):
         return pb.SynchronizerMessage(drain=pb.Drain(reason=msg.reason, deadline_s=msg.deadline_s))
+    if isinstance(msg, FragmentRequest):
+        return pb.SynchronizerMessage(request=pb.FragmentRequest(fragment_id=msg.fragment_id, round=msg.round,
+                                                                 version=msg.version))
     raise TypeError(f"not a synchronizer message: {type(msg).__name__}")
 
 
@@ -349,6 +362,9 @@ def synchronizer_message_from_pb(m: pb.SynchronizerMessage) -> SynchronizerMessa
                       detail=r.detail)
     if body == "drain":
         return Drain(reason=m.drain.reason, deadline_s=m.drain.deadline_s)
+    if body == "request":
+        r = m.request
+        return FragmentRequest(fragment_id=r.fragment_id, round=r.round, version=r.version)
     raise HeaderError("empty synchronizer message")
 
 
@@ -376,9 +392,9 @@ def status_to_pb(s: StatusReply) -> pb.StatusReply:
         fragments=[pb.FragmentStatus(
             fragment_id=f.fragment_id, version=f.version, last_quorum_size=f.last_quorum_size,
             last_merge_unix=f.last_merge_unix, pending=f.pending, last_grace_s=f.last_grace_s,
-            num_values=f.num_values) for f in s.fragments],
+            num_values=f.num_values, round=f.round) for f in s.fragments],
         merges_total=s.merges_total, rejected_by_reason=s.rejected_by_reason, token_goodput=s.token_goodput,
-        quorum=s.quorum,
+        quorum=s.quorum, fleet_step=s.fleet_step,
     )
     if s.protocol is not None:
         msg.protocol.CopyFrom(protocol_to_pb(s.protocol))
@@ -398,7 +414,7 @@ def status_from_pb(m: pb.StatusReply) -> StatusReply:
         fragments=tuple(FragmentStatus(
             fragment_id=f.fragment_id, version=f.version, last_quorum_size=f.last_quorum_size,
             last_merge_unix=f.last_merge_unix, pending=f.pending, last_grace_s=f.last_grace_s,
-            num_values=f.num_values) for f in m.fragments),
+            num_values=f.num_values, round=f.round) for f in m.fragments),
         merges_total=m.merges_total, rejected_by_reason=dict(m.rejected_by_reason),
-        token_goodput=m.token_goodput,
+        token_goodput=m.token_goodput, fleet_step=m.fleet_step,
     )

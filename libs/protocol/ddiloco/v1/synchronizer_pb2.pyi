@@ -108,7 +108,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class FragmentHeader(_message.Message):
-    __slots__ = ("kind", "fragment_id", "version", "sequence", "tokens", "steps", "codec", "block_size", "tensors", "num_values", "encoded_bytes", "chunk_count", "digest", "layout_hash", "learner_step", "sent_at_unix")
+    __slots__ = ("kind", "fragment_id", "version", "sequence", "tokens", "steps", "codec", "block_size", "tensors", "num_values", "encoded_bytes", "chunk_count", "digest", "layout_hash", "learner_step", "sent_at_unix", "round")
     KIND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class FragmentHeader(_message.Message):
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     LEARNER_STEP_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     kind: PayloadKind
     fragment_id: int
     version: int
@@ -141,7 +142,8 @@ class FragmentHeader(_message.Message):
     layout_hash: str
     learner_step: int
     sent_at_unix: float
-    def __init__(self, kind: _Optional[_Union[PayloadKind, str]] = ..., fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_values: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., digest: _Optional[bytes] = ..., layout_hash: _Optional[str] = ..., learner_step: _Optional[int] = ..., sent_at_unix: _Optional[float] = ...) -> None: ...
+    round: int
+    def __init__(self, kind: _Optional[_Union[PayloadKind, str]] = ..., fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_values: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., digest: _Optional[bytes] = ..., layout_hash: _Optional[str] = ..., learner_step: _Optional[int] = ..., sent_at_unix: _Optional[float] = ..., round: _Optional[int] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
     __slots__ = ("transfer_id", "index", "header", "data", "crc32c")
@@ -211,18 +213,20 @@ class Hello(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_hash: _Optional[str] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., held: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., software_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "tokens_total", "tokens_per_s", "step_time_s", "sent_at_unix")
+    __slots__ = ("step", "tokens_total", "tokens_per_s", "step_time_s", "sent_at_unix", "training_done")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_DONE_FIELD_NUMBER: _ClassVar[int]
     step: int
     tokens_total: int
     tokens_per_s: float
     step_time_s: float
     sent_at_unix: float
-    def __init__(self, step: _Optional[int] = ..., tokens_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., sent_at_unix: _Optional[float] = ...) -> None: ...
+    training_done: bool
+    def __init__(self, step: _Optional[int] = ..., tokens_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., sent_at_unix: _Optional[float] = ..., training_done: _Optional[bool] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)
@@ -292,6 +296,16 @@ class Resync(_message.Message):
     detail: str
     def __init__(self, fragment_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
+class FragmentRequest(_message.Message):
+    __slots__ = ("fragment_id", "round", "version")
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    fragment_id: int
+    round: int
+    version: int
+    def __init__(self, fragment_id: _Optional[int] = ..., round: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
 class Drain(_message.Message):
     __slots__ = ("reason", "deadline_s")
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -301,18 +315,20 @@ class Drain(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class SynchronizerMessage(_message.Message):
-    __slots__ = ("welcome", "chunk", "result", "resync", "drain")
+    __slots__ = ("welcome", "chunk", "result", "resync", "drain", "request")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     chunk: FragmentChunk
     result: ContributionResult
     resync: Resync
     drain: Drain
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., chunk: _Optional[_Union[FragmentChunk, _Mapping]] = ..., result: _Optional[_Union[ContributionResult, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    request: FragmentRequest
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., chunk: _Optional[_Union[FragmentChunk, _Mapping]] = ..., result: _Optional[_Union[ContributionResult, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., request: _Optional[_Union[FragmentRequest, _Mapping]] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("learner_id", "fragment_ids", "codec")
@@ -362,7 +378,7 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., connected: _Optional[bool] = ..., live: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., step: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., merged: _Optional[int] = ..., rejected: _Optional[int] = ..., superseded: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment_id", "version", "last_quorum_size", "last_merge_unix", "pending", "last_grace_s", "num_values")
+    __slots__ = ("fragment_id", "version", "last_quorum_size", "last_merge_unix", "pending", "last_grace_s", "num_values", "round")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_QUORUM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +386,7 @@ class FragmentStatus(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     LAST_GRACE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     version: int
     last_quorum_size: int
@@ -377,10 +394,11 @@ class FragmentStatus(_message.Message):
     pending: int
     last_grace_s: float
     num_values: int
-    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., last_quorum_size: _Optional[int] = ..., last_merge_unix: _Optional[float] = ..., pending: _Optional[int] = ..., last_grace_s: _Optional[float] = ..., num_values: _Optional[int] = ...) -> None: ...
+    round: int
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., last_quorum_size: _Optional[int] = ..., last_merge_unix: _Optional[float] = ..., pending: _Optional[int] = ..., last_grace_s: _Optional[float] = ..., num_values: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("synchronizer_id", "mode", "uptime_s", "state", "learners", "fragments", "merges_total", "rejected_by_reason", "token_goodput", "protocol", "quorum")
+    __slots__ = ("synchronizer_id", "mode", "uptime_s", "state", "learners", "fragments", "merges_total", "rejected_by_reason", "token_goodput", "protocol", "quorum", "fleet_step")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +417,7 @@ class StatusReply(_message.Message):
     TOKEN_GOODPUT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     QUORUM_FIELD_NUMBER: _ClassVar[int]
+    FLEET_STEP_FIELD_NUMBER: _ClassVar[int]
     synchronizer_id: str
     mode: str
     uptime_s: float
@@ -410,4 +429,5 @@ class StatusReply(_message.Message):
     token_goodput: float
     protocol: ProtocolParams
     quorum: int
-    def __init__(self, synchronizer_id: _Optional[str] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., state: _Optional[_Union[StateStatus, str]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., merges_total: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., token_goodput: _Optional[float] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., quorum: _Optional[int] = ...) -> None: ...
+    fleet_step: float
+    def __init__(self, synchronizer_id: _Optional[str] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., state: _Optional[_Union[StateStatus, str]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., merges_total: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., token_goodput: _Optional[float] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., quorum: _Optional[int] = ..., fleet_step: _Optional[float] = ...) -> None: ...

@@ -1,25 +1,28 @@
-"""The synchronizer at fleet scale: every fragment round of a decoupled run, decided by the real policy.
+"""The synchronizer at fleet scale: every fragment round of a decoupled run, as the service runs it.
 
-Learners never block on the network in decoupled mode, so their step clocks (from each learner's
-``JobResult``: running segments, pauses) fix every contribution time in advance: learner m sends
-fragment p after each step t with ``t mod H == offset(p)``, the offsets coming from the learners'
-own ``FragmentSchedule``. This module replays those contributions, the learners' drop-outs and
-returns, and the grace wake-ups in time order, and runs each fragment's round through the
-service's own state machine (``ddiloco.algorithm.round.RoundState``: opening, quorum latch,
-freshness, grace, timeout), ``token_weights`` weighs each merge, ``RunningAverage`` keeps the step,
-quorum and sync times that feed the grace window. Nothing here re-implements a decision.
+Rounds are clocked by the synchronizer: fragment p falls due on the fleet's clock (the service's
+own ``FleetClock``, at the pace of the K-th fastest learner), every learner that is up is asked
+for it and answers at its next step completion (each learner's step clock comes from its
+``JobResult``: running segments and pauses). This module replays the requests, the answers, the
+learners' drop-outs and returns, and the grace wake-ups in time order, and runs each fragment's
+round through the service's state machine (``ddiloco.algorithm.round.RoundState``: request,
+quorum latch, freshness, grace, timeout); ``token_weights`` weighs each merge, ``RunningAverage``
+keeps the step, quorum and sync times that feed the grace window. Nothing here re-implements a
+decision. The pace is taken from the learners' nominal step times (a learner that is down does
+not pace the service's clock either, but at equal nominal speeds that changes nothing).
 
-Cost is one policy call per contribution or wake-up, and M x P x (window / step) contributions in
-all: independent of the number of chips. The replay covers the last ``cfg.merge_window_s`` of the
-horizon (learners' step clocks come from the full-horizon jobs, so their phases at the window's
-start are those the failures left); the caller scales the late-merge loss to the horizon.
+Cost is one decision per answer or wake-up, M x P x (window / step) answers in all: independent
+of the number of chips. The replay covers the last ``cfg.merge_window_s`` of the horizon
+(learners' step clocks come from the full-horizon jobs, so their phases at the window's start are
+those the failures left); the caller scales the late-merge loss to the horizon.
 
 What the merge level can lose: a learner applies the merged fragment ``tau`` steps after it sent
-its contribution (the overlap the algorithm is built on, not a loss). When the merge comes back
-later than that, because the round waited for a quorum or for stragglers, the learner's progress
-on that fragment between its apply step and the merge's arrival is overwritten on arrival (the
+its answer (the overlap the algorithm is built on, not a loss). When the merge comes back later
+than that, because the round waited for a quorum or for stragglers, the learner's progress on
+that fragment between its apply step and the merge's arrival is overwritten on arrival (the
 paper's ``overwrite`` policy): ``1/P`` of the learner's chip-time over that window is lost. A
-learner that is down contributes nothing and is not live, so the round does not wait for it.
+learner that is down is not asked and is not live, so the round does not wait for it; an answer
+that arrives after its round merged waits for the fragment's next round.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ddiloco.algorithm import policies
+from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.round import RoundRules, RoundState, Waiting
 from ddiloco.simulator.config import SimConfig
 from ddiloco.simulator.spmd import JobResult
 
-_CONTRIB, _DOWN, _UP = 0, 1, 2
+_REQUEST, _ANSWER, _DOWN, _UP = 0, 1, 2, 3
 
 
 @dataclass
@@ -94,18 +98,41 @@ def _step_events(job: JobResult) -> tuple[np.ndarray, np.ndarray]:
     return starts[idx] + within * job.step_s, first[idx] + within
 
 
-def _contributions(job: JobResult, offsets: np.ndarray, sync_every: int):
-    """(time, fragment, step) of every contribution: fragment p after steps t with t mod H == offset(p)."""
+def _requests(cfg: SimConfig, jobs: list[JobResult], start: float, horizon: float
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(time, fragment, round) of every request in [start, horizon), from the service's fleet clock."""
+    schedule = cfg.schedule()
+    pace = fleet_pace([job.step_s for job in jobs], cfg.quorum)
+    clock = FleetClock(schedule, now=0.0)
+    clock.set_pace(0.0, pace)
+    times, frags, rounds = [], [], []
+    while True:
+        at = clock.next_due_at(clock.at)
+        if at is None or at >= horizon:
+            break
+        for p, r in clock.due(at):
+            if at >= start:
+                times.append(at)
+                frags.append(p)
+                rounds.append(r)
+    return np.asarray(times), np.asarray(frags, dtype=np.int64), np.asarray(rounds, dtype=np.int64)
+
+
+def _answers(job: JobResult, req_t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the requests at ``req_t``: which this learner answers (it is up when asked and steps
+    afterwards), when (the end of the step in progress: its next step completion after the
+    request) and at which of its steps."""
     times, steps = _step_events(job)
-    by_phase = np.bincount(offsets, minlength=sync_every)
-    order = np.argsort(offsets, kind="stable")
-    first_of_phase = np.cumsum(by_phase) - by_phase
-    phase = steps % sync_every
-    count = by_phase[phase]
-    rep = np.repeat(np.arange(times.size), count)
-    k = np.arange(rep.size) - np.repeat(np.cumsum(count) - count, count)
-    frags = order[first_of_phase[phase[rep]] + k]
-    return times[rep], frags, steps[rep]
+    idx = np.searchsorted(times, req_t, side="right")
+    ok = idx < times.size
+    if len(job.pauses):
+        j = np.searchsorted(job.pauses[:, 0], req_t, side="right") - 1
+        paused = (j >= 0) & (req_t < job.pauses[np.clip(j, 0, None), 1])
+        ok &= ~paused
+    idx = np.clip(idx, 0, max(0, times.size - 1))
+    if not times.size:
+        return ok, np.zeros(req_t.size), np.zeros(req_t.size, dtype=np.int64)
+    return ok, times[idx], steps[idx]
 
 
 class _Uptime:
@@ -135,7 +162,6 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     policy = cfg.policy()
     tau, frags, horizon = schedule.overlap, schedule.num_fragments, cfg.horizon_s
     start = horizon - cfg.merge_window_s
-    offsets = np.array([schedule.offset(p) for p in range(frags)], dtype=np.int64)
     names = [f"learner-{m}" for m in range(len(jobs))]
     step_of = [job.step_s for job in jobs]
     chips_of = [job.chips for job in jobs]
@@ -145,19 +171,21 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     compute_rate = [job.chips / job.slow_factor for job in jobs]
     uptime = [_Uptime(job) for job in jobs]
 
-    cols_t, cols_k, cols_m, cols_p, cols_s = [], [], [], [], []
+    req_t, req_p, req_r = _requests(cfg, jobs, start, horizon)
+    cols_t, cols_k, cols_m, cols_p, cols_s = [req_t], [np.full(req_t.size, _REQUEST)], [np.zeros(req_t.size, np.int64)], \
+        [req_p], [req_r]
     for m, job in enumerate(jobs):
-        t, p, s = _contributions(job, offsets, schedule.sync_every)
-        cols_t += [t, job.pauses[:, 0], job.pauses[:, 1]]
-        n_p = len(job.pauses)
-        cols_k += [np.full(t.size, _CONTRIB), np.full(n_p, _DOWN), np.full(n_p, _UP)]
-        cols_m += [np.full(t.size + 2 * n_p, m)]
-        cols_p += [p, np.zeros(2 * n_p, dtype=np.int64)]
-        cols_s += [s, np.zeros(2 * n_p, dtype=np.int64)]
+        ok, at, step = _answers(job, req_t)
+        n_a, n_p = int(ok.sum()), len(job.pauses)
+        cols_t += [at[ok], job.pauses[:, 0], job.pauses[:, 1]]
+        cols_k += [np.full(n_a, _ANSWER), np.full(n_p, _DOWN), np.full(n_p, _UP)]
+        cols_m += [np.full(n_a + 2 * n_p, m)]
+        cols_p += [req_p[ok], np.zeros(2 * n_p, dtype=np.int64)]
+        cols_s += [step[ok], np.zeros(2 * n_p, dtype=np.int64)]
     ev_t, ev_k = np.concatenate(cols_t), np.concatenate(cols_k)
     ev_m, ev_p, ev_s = np.concatenate(cols_m), np.concatenate(cols_p), np.concatenate(cols_s)
     keep = (ev_t >= start) & (ev_t < horizon)
-    order = np.lexsort((ev_k[keep], ev_t[keep]))  # by time; at a tie: contributions, then drop-outs, then returns
+    order = np.lexsort((ev_k[keep], ev_t[keep]))  # by time; at a tie: requests, answers, drop-outs, returns
     events = zip(ev_t[keep][order].tolist(), ev_k[keep][order].tolist(), ev_m[keep][order].tolist(),
                  ev_p[keep][order].tolist(), ev_s[keep][order].tolist(), strict=True)
 
@@ -166,7 +194,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     quorum_avg = policies.RunningAverage()
     sync_avg = policies.RunningAverage()
     timings = policies.Timings(step_time_s=step_avg.get(), quorum_time_s=0.0, sync_time_s=0.0)
-    rules = RoundRules(policy=policy, overlap=tau, sync_every=schedule.sync_every, stale_round_s=cfg.horizon_s)
+    rules = RoundRules(policy=policy, overlap=tau)
     rounds = [RoundState() for _ in range(frags)]
     inbox: list[dict[str, tuple[float, int, int]]] = [{} for _ in range(frags)]
     round_id = [0] * frags
@@ -239,7 +267,11 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     for t, kind, m, p, step in events:
         if wakes and wakes[0][0] <= t:
             wake_until(t)
-        if kind == _CONTRIB:
+        if kind == _REQUEST:
+            rounds[p].open(t, step, waiting=bool(inbox[p]))
+            if inbox[p]:
+                evaluate(p, t)
+        elif kind == _ANSWER:
             stats.contributions += 1
             box = inbox[p]
             name = names[m]

@@ -1,8 +1,9 @@
 """The learner's communication thread: the only owner of the gRPC stream.
 
-Training never touches the network. It hands contributions to ``Comm.submit`` (non-blocking;
-at most the newest contribution per fragment is held while the synchronizer is unreachable) and
-picks up merged fragments with ``Comm.take_arrivals`` at step boundaries. Modes that wait by
+Training never touches the network. At step boundaries it picks up the synchronizer's requests
+(``Comm.take_requests``: which fragments to send now), hands contributions to ``Comm.submit``
+(non-blocking; at most the newest contribution per fragment and base is held while the
+synchronizer is unreachable) and picks up merged fragments with ``Comm.take_arrivals``. Modes that wait by
 design (streaming, diloco) call ``Comm.wait_arrival`` with a timeout.
 
 The thread runs its own asyncio loop: it connects, says Hello, joins (genesis upload or
@@ -50,6 +51,8 @@ class Outgoing:
     steps: int
     learner_step: int
     delta: torch.Tensor
+    round: int = 0
+    """The request it answers (0: unsolicited)."""
     payload: bytes | None = None
 
 
@@ -68,6 +71,8 @@ class LiveStats:
     tokens_total: int = 0
     tokens_per_s: float = 0.0
     step_time_s: float = 0.0
+    """Recent wall time per inner step (what paces the fleet's clock)."""
+    training_done: bool = False
 
 
 @dataclass
@@ -79,6 +84,12 @@ class JoinState:
     fleet_step: int = 0
     fetched: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     error: str | None = None
+
+
+HEAL_AFTER = 3
+"""Contributions of one fragment refused for their content in a row before training heals it."""
+RECOVERABLE = frozenset({"stale", "future_version", "not_ready", "protocol"})
+"""Refusals that say nothing about the learner's state (the synchronizer resyncs stale ones)."""
 
 
 class _Reconnect(Exception):
@@ -153,9 +164,18 @@ class Comm:
         """fragment -> contributions waiting to be sent, oldest first, one per base version."""
         self._unacked: dict[int, Outgoing] = {}
         self._arrivals: dict[int, Arrival] = {}
+        self._requests: dict[int, int] = {}
+        """fragment -> the newest round the synchronizer asked for and training has not answered."""
+        self._refused: dict[int, int] = {}
+        """fragment -> contributions refused for their content in a row."""
+        self._heals: set[int] = set()
+        """Fragments refused ``HEAL_AFTER`` times in a row: training resynchronises them."""
+        self._resync_wanted: set[int] = set()
+        """Fragments training wants fetched again (it healed them)."""
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._beat: asyncio.Event | None = None
         self._transfer_id = 0
         self._thread = threading.Thread(target=self._thread_main, name=f"comm-{self.learner_id}", daemon=True)
         self._heartbeat_s = cfg.heartbeat_s
@@ -179,6 +199,36 @@ class Comm:
             self.events.emit("dropped", sequence=old.sequence, fragment=old.fragment,
                              reason="replaced by a newer contribution before it could be sent")
         self._poke()
+
+    def take_requests(self) -> dict[int, int]:
+        """Fragments the synchronizer asked for since the last call: fragment -> round."""
+        with self._lock:
+            out, self._requests = self._requests, {}
+        return out
+
+    def take_heals(self) -> set[int]:
+        """Fragments whose contributions were refused for their content too often in a row."""
+        with self._lock:
+            out, self._heals = self._heals, set()
+        return out
+
+    def resync(self, fragments: tuple[int, ...]) -> None:
+        """Fetch the newest global version of ``fragments`` and deliver it as a resync arrival."""
+        with self._lock:
+            self._resync_wanted.update(fragments)
+        self._poke()
+
+    def training_done(self) -> None:
+        """Training ended: tell the synchronizer at once (heartbeat), so no round waits for us."""
+        self.stats.training_done = True
+        self.beat_now()
+
+    def beat_now(self) -> None:
+        """Send a heartbeat now rather than at the next interval (the pace became known, training ended)."""
+        loop, beat = self._loop, self._beat
+        if loop is not None and beat is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                loop.call_soon_threadsafe(beat.set)
 
     def take_arrivals(self) -> dict[int, Arrival]:
         with self._lock:
@@ -249,6 +299,7 @@ class Comm:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._beat = asyncio.Event()
         backoff = self._backoff
 
         def log_retry(state: Any) -> None:
@@ -400,6 +451,20 @@ class Comm:
         assert self._wake is not None
         while not self._stop.is_set():
             with self._lock:
+                wanted, self._resync_wanted = self._resync_wanted, set()
+            if wanted:
+                try:
+                    fetched = await self._fetch(stream, tuple(sorted(wanted)), resync=True)
+                except BaseException:
+                    with self._lock:  # fetched on the next session
+                        self._resync_wanted.update(wanted)
+                    raise
+                for a in fetched.values():
+                    self._deliver(a)
+                    if self.feedback is not None:
+                        self.feedback.reset(a.fragment)
+                continue
+            with self._lock:
                 out = None
                 if self._outbound:
                     p = next(iter(self._outbound))
@@ -419,7 +484,7 @@ class Comm:
             chunks = encode_fragment(out.delta, frag, codec=self.codec, kind="contribution",
                                      version=out.base_version, transfer_id=self._transfer_id,
                                      layout_hash=self.layout.fingerprint, sequence=out.sequence, tokens=out.tokens,
-                                     steps=out.steps, learner_step=out.learner_step,
+                                     steps=out.steps, learner_step=out.learner_step, round=out.round,
                                      max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload)
             await stream.send_transfer(chunks)
             self.bytes_sent += len(out.payload)
@@ -440,6 +505,13 @@ class Comm:
             elif isinstance(msg, wire.ContributionResult):
                 with self._lock:
                     self._unacked.pop(msg.sequence, None)
+                    if msg.outcome == "rejected" and msg.reason not in RECOVERABLE:
+                        self._refused[msg.fragment_id] = self._refused.get(msg.fragment_id, 0) + 1
+                        if self._refused[msg.fragment_id] >= HEAL_AFTER:
+                            self._heals.add(msg.fragment_id)
+                            self._refused[msg.fragment_id] = 0
+                    elif msg.outcome == "merged":
+                        self._refused[msg.fragment_id] = 0
                 self.events.emit("result", sequence=msg.sequence, fragment=msg.fragment_id, outcome=msg.outcome,
                                  version=msg.version, reason=msg.reason, weight=msg.weight,
                                  staleness=msg.staleness, detail=msg.detail)
@@ -454,13 +526,20 @@ class Comm:
             elif isinstance(msg, wire.Drain):
                 self.log.info("drain requested", reason=msg.reason)
                 self.draining.set()
+            elif isinstance(msg, wire.FragmentRequest):
+                with self._lock:
+                    self._requests[msg.fragment_id] = max(msg.round, self._requests.get(msg.fragment_id, 0))
 
     async def _heartbeats(self, stream: SyncStream) -> None:
+        assert self._beat is not None
         while True:
             s = self.stats
+            self._beat.clear()
             await stream.send(wire.Heartbeat(step=s.step, tokens_total=s.tokens_total, tokens_per_s=s.tokens_per_s,
-                                             step_time_s=s.step_time_s, sent_at_unix=time.time()))
-            await asyncio.sleep(self._heartbeat_s)
+                                             step_time_s=s.step_time_s, sent_at_unix=time.time(),
+                                             training_done=s.training_done))
+            with contextlib.suppress(TimeoutError):  # every interval, or at once when training ends
+                await asyncio.wait_for(self._beat.wait(), timeout=self._heartbeat_s)
 
     async def _stopper(self) -> None:
         assert self._wake is not None

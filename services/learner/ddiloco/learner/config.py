@@ -91,6 +91,9 @@ class LearnerConfig:
     that overwrite throws away."""
     mix_alpha: float = 0.5
     """alpha of the mix policy."""
+    speed: float = 1.0
+    """For experiments with unequal hardware: run at this fraction of full speed (0.5: every inner
+    step takes twice as long), by waiting after each step. 1: no waiting."""
     codec: CodecName = "bf16_zstd"
     """Codec of contributions."""
     error_feedback: bool = True
@@ -121,6 +124,8 @@ class LearnerConfig:
     """Serve Prometheus metrics on this port."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.speed <= 1:
+            raise ValueError(f"speed must be in (0, 1], got {self.speed}")
         if not 0 <= self.mix_alpha <= 1:
             raise ValueError(f"mix_alpha must be in [0, 1], got {self.mix_alpha}")
         if self.heartbeat_s <= 0 or self.wait_timeout_s <= 0 or self.reconnect_max_s < 0.1:

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=int, dest="shard_index", help="data shard index")
     parser.add_argument("--num-shards", type=int, dest="num_shards", help="number of data shards")
     parser.add_argument("--threads", type=int, help="torch threads")
+    parser.add_argument("--speed", type=float, help="experiments: run at this fraction of full speed (0 < S <= 1)")
     parser.add_argument("--event-log", help="append one JSON line per event (steps, sends, results, applies, evals) here")
     parser.add_argument("--summary-file", help="write the final summary JSON here")
     args = parser.parse_args(argv)
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_learner_config(args.config, synchronizer=args.synchronizer, learner_id=args.learner_id,
                                   shard_index=args.shard_index, num_shards=args.num_shards,
-                                  event_log=args.event_log,
+                                  event_log=args.event_log, speed=args.speed,
                                   token=os.environ.get("DDILOCO_TOKEN") or None)
         if args.steps is not None or args.threads is not None:
             train = dataclasses.replace(cfg.train, **{k: v for k, v in (("steps", args.steps),
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     learner = Learner(cfg)
     signal.signal(signal.SIGTERM, lambda *_: learner.comm.draining.set())
+    # fault injection for tests and chaos plans: the parameters turn NaN at the next step boundary
+    signal.signal(signal.SIGUSR1, lambda *_: learner.poisoned.set())
     try:
         summary = learner.run()
     except LearnerError as exc:

@@ -1,21 +1,31 @@
-"""One learner: inner loop -> fragment schedule -> outer gradient -> hand-off -> apply on arrival.
+"""One learner: inner loop -> requested fragment -> outer gradient -> hand-off -> apply on arrival.
 
 The training loop runs on the calling thread; ``Comm`` owns the network on its own thread. Per
 fragment p the learner keeps its base (the last global fragment it applied, fp32, with its
 version) and the counters (tokens, steps) of the progress that the next contribution carries.
-When p falls due, ``Delta = base_p - theta_p`` (fp32) is handed to Comm and training goes on.
+The synchronizer clocks the rounds: when it asks for p, the learner answers at its next step
+boundary with ``Delta = base_p - theta_p`` (fp32) and the counters, however many steps they
+cover, hands it to Comm and goes on training.
 Merged fragments are applied at step boundaries, ``tau`` steps after this learner sent the
 fragment: a version merged from other learners' contributions while ours was not yet sent is held
 until ours is on its way, so that unsent local progress is never overwritten. Decoupled mode
 applies a late arrival as soon as it is there; streaming and diloco block for it, with a timeout,
 and count that time as blocked.
+
+A learner heals itself: when its loss is non-finite, when an outer gradient it is about to send is
+non-finite, or when the synchronizer refused its contributions of a fragment for their content
+``comm.HEAL_AFTER`` times in a row, the affected fragments go back to their base (the last
+global version applied), their optimizer moments start fresh, a fetch of the newest global
+version is queued, and the learner logs why and goes on. Nothing is sent from a broken state.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -23,11 +33,12 @@ import torch
 
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
+from ddiloco.core.modes import preset
 from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
 from ddiloco.fragments.partition import partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.apply import apply_global, counters_after_apply
-from ddiloco.learner.comm import Arrival, Comm, Outgoing
+from ddiloco.learner.comm import HEAL_AFTER, Arrival, Comm, Outgoing
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
 from ddiloco.learner.events import EventLog
@@ -42,6 +53,22 @@ class SentState:
     counters: tuple[int, int]
     base_version: int
     values: torch.Tensor | None
+
+
+class StepPace:
+    """Recent wall time per inner step (an EMA), what the learner reports to pace the fleet's
+    clock. One long step (a stop, a pause) counts at most ``clip`` times the average, so a
+    learner's pace recovers within a few steps of resuming."""
+
+    def __init__(self, alpha: float = 0.1, clip: float = 4.0) -> None:
+        self.alpha, self.clip, self.value = alpha, clip, 0.0
+
+    def update(self, sample: float) -> float:
+        if self.value == 0.0:
+            self.value = sample
+        else:
+            self.value += self.alpha * (min(sample, self.clip * self.value) - self.value)
+        return self.value
 
 
 class LearnerError(RuntimeError):
@@ -79,8 +106,10 @@ class Learner:
         self.sequence = itertools.count(1)
         self.tokens = 0
         self.blocked_s = 0.0
-        self.phase = 0
-        """Offset of this learner's fragment schedule: the fleet's step when it joined."""
+        self.learner_clocked = preset(cfg.protocol.mode).learners_wait
+        """Modes where learners wait for merges send at their own due steps (ddiloco.core.modes)."""
+        self.poisoned = threading.Event()
+        """Set by a test or chaos hook (SIGUSR1): the parameters turn NaN at the next step boundary."""
         self.metrics = LearnerMetrics()
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_port)
@@ -117,7 +146,6 @@ class Learner:
                 self.base[frag.index] = gather(frag, self.params)
                 self.version[frag.index] = 0
         else:
-            self.phase = self.comm.join.fleet_step
             for p, (version, values) in self.comm.join.fetched.items():
                 scatter(self.layout[p], values, self.params)
                 self.base[p] = values.clone()
@@ -125,7 +153,7 @@ class Learner:
         self.events.emit("start", num_fragments=self.layout.num_fragments,
                          fragment_sizes=[f.numel for f in self.layout], params=num_params(self.inner.model),
                          genesis=self.comm.join.genesis, versions=dict(self.version), shard=self.shard_index,
-                         mode=self.cfg.protocol.mode, apply_policy=self.cfg.apply_policy, phase=self.phase,
+                         mode=self.cfg.protocol.mode, apply_policy=self.cfg.apply_policy, speed=self.cfg.speed,
                          config=to_dict(self.cfg))
         self.log.info("joined", genesis=self.comm.join.genesis, params=num_params(self.inner.model),
                       fragments=self.layout.num_fragments, shard=f"{self.shard_index}/{self.num_shards}")
@@ -138,21 +166,39 @@ class Learner:
         batch_tokens = cfg.data.batch_size * cfg.data.context
         step = 0
         started = time.time()
-        ema_step = 0.0
+        pace = StepPace()
+        last_end = time.perf_counter()
         for step in range(1, cfg.train.steps + 1):
+            if self.poisoned.is_set():
+                self.poisoned.clear()
+                self._poison(step)
             blocked = self._apply_arrivals(step)
             x, y = self.shard.sample_batch(self.generator, cfg.data.batch_size, cfg.data.context)
             loss, step_s = self.inner.step(x, y)
+            if cfg.speed < 1.0:  # an experiment's slower hardware: the step takes 1/speed as long
+                time.sleep(step_s * (1.0 / cfg.speed - 1.0))
+                step_s /= cfg.speed
             self.tokens += batch_tokens
-            for c in self.counters.values():
-                c[0] += batch_tokens
-                c[1] += 1
-            for p in self.schedule.due(step + self.phase):
-                self._send(p, step)
-            ema_step = step_s if ema_step == 0 else 0.9 * ema_step + 0.1 * step_s
+            if not math.isfinite(loss):
+                self._heal([f.index for f in self.layout], step, f"non-finite loss {loss}")
+            else:
+                for c in self.counters.values():
+                    c[0] += batch_tokens
+                    c[1] += 1
+            for p in self.comm.take_heals():
+                self._heal([p], step, f"{HEAL_AFTER} contributions in a row refused for their content")
+            due = ({p: 0 for p in self.schedule.due(step)} if self.learner_clocked
+                   else self.comm.take_requests())
+            for p, round_no in sorted(due.items()):
+                self._send(p, step, round_no)
+            now = time.perf_counter()
             stats = self.comm.stats
-            stats.step, stats.tokens_total, stats.step_time_s = step, self.tokens, ema_step
-            stats.tokens_per_s = batch_tokens / ema_step if ema_step else 0.0
+            stats.step, stats.tokens_total = step, self.tokens
+            stats.step_time_s = pace.update(now - last_end)  # waits for merges count: the fleet paces on them
+            if step == 2:  # the first step's time is mostly warm-up; from the second the pace is known
+                self.comm.beat_now()
+            stats.tokens_per_s = batch_tokens / stats.step_time_s if stats.step_time_s else 0.0
+            last_end = now
             self.events.emit("step", step=step, loss=loss, tokens=self.tokens, step_s=step_s, blocked_s=blocked)
             m = self.metrics
             m.steps.inc()
@@ -171,7 +217,8 @@ class Learner:
         # when the learner finishes or drains.
         for frag in self.layout:
             if self.sent.get(frag.index) is None or self.sent[frag.index].step != step:
-                self._send(frag.index, step)
+                self._send(frag.index, step, 0)
+        self.comm.training_done()
         wall = time.time() - started
         # Training ends here. The local model's final evaluation and waiting below for the last
         # contributions' results are the bookkeeping of a finite run (a deployed learner never
@@ -185,28 +232,57 @@ class Learner:
         return {"learner_id": self.learner_id, "steps": step, "tokens": self.tokens, "eval_loss": final,
                 "wall_s": wall, "blocked_s": self.blocked_s}
 
+    # -- healing --------------------------------------------------------------------------
+
+    def _poison(self, step: int) -> None:
+        """The fault a test or chaos plan injects: every parameter turns NaN."""
+        self.log.warning("parameters poisoned (fault injection)", step=step)
+        self.events.emit("poisoned", step=step)
+        with torch.no_grad():
+            for param in self.params.values():
+                param.fill_(float("nan"))
+
+    def _heal(self, fragments: list[int], step: int, reason: str) -> None:
+        """Put ``fragments`` back to their base with fresh optimizer moments, fetch the newest
+        global version of them, and start their counters over."""
+        self.log.warning("healing", fragments=fragments, step=step, reason=reason)
+        state = self.inner.optimizer.state
+        for p in fragments:
+            frag = self.layout[p]
+            scatter(frag, self.base[p], self.params)
+            for spec in frag.tensors:
+                state.pop(self.params[spec.name], None)
+            self.counters[p] = [0, 0]
+            self.window_start[p] = step + 1
+            self.sent.pop(p, None)
+        self.comm.resync(tuple(fragments))
+        self.events.emit("heal", step=step, fragments=fragments, reason=reason)
+
     def _eval(self, step: int) -> float:
         loss = self.inner.evaluate(self.eval_set)
         self.events.emit("eval", step=step, tokens=self.tokens, loss=loss)
         return loss
 
-    def _send(self, p: int, step: int) -> None:
+    def _send(self, p: int, step: int, round_no: int) -> None:
         frag = self.layout[p]
         tokens, steps = self.counters[p]
         if steps == 0:
             return
         current = gather(frag, self.params)
         delta = outer_gradient(self.base[p], current)
+        if not bool(torch.isfinite(delta).all()):
+            self._heal([p], step, "non-finite outer gradient")
+            return
         seq = next(self.sequence)
-        self.comm.submit(Outgoing(p, seq, self.version[p], tokens, steps, step, delta))
+        self.comm.submit(Outgoing(p, seq, self.version[p], tokens, steps, step, delta, round=round_no))
         self.events.emit("send", step=step, fragment=p, sequence=seq, base_version=self.version[p], tokens=tokens,
-                         steps=steps, from_step=self.window_start[p], to_step=step)
+                         steps=steps, from_step=self.window_start[p], to_step=step, round=round_no)
         keep = current if self.cfg.apply_policy == "replay" else None
         self.sent[p] = SentState(step, (tokens, steps), self.version[p], keep)
 
     def _apply_arrivals(self, step: int) -> float:
         """Apply merged fragments due at this step boundary; returns seconds blocked waiting."""
-        blocking = self.cfg.protocol.mode in ("streaming", "diloco")
+        blocking = preset(self.cfg.protocol.mode).learners_wait
         blocked = 0.0
         if blocking:
             for p, sent in list(self.sent.items()):

@@ -9,7 +9,9 @@ Every check that can refuse input lives here, in the order it is made, each with
   ``genesis``), global state ready, a fragment this shard owns, the global layout, tokens and
   steps > 0, not a contribution already merged (a re-send after a reconnect is answered, never
   merged twice), a base within the staleness window (``staleness_verdict``, the same rule the
-  merge applies), and a payload that decodes to finite values of the right shapes.
+  merge applies), and a payload that decodes to finite values of the right shapes. A learner
+  whose payload is refused for its content stops counting as live (``LearnerRecord.faulty``)
+  until a good one arrives, so no round waits for what it cannot give.
 
 A refused contribution is answered with a reason (``Ledger.reject``); the global model is never
 touched by it. Framing faults (corrupt, reordered, oversized chunks) are caught earlier, by
@@ -113,9 +115,14 @@ class Admission:
             self.ledger.reject(c, verdict.reason, verdict.detail, resync=True)
             return None
         try:
-            return await self.run_blocking(decode_fragment, transfer, state.layout, zstd_threads=self.codec_threads)
+            delta = await self.run_blocking(decode_fragment, transfer, state.layout, zstd_threads=self.codec_threads)
         except FragmentError as exc:
+            # Its content is broken (non-finite values, wrong shapes): until a good one arrives the
+            # learner has nothing valid to give, and rounds must not wait for it.
+            rec.faulty = exc.reason.lower()
             return self._reject(c, exc.reason.lower(), str(exc))
+        rec.faulty = ""
+        return delta
 
     def _reject(self, c: Contribution, reason: str, detail: str) -> None:
         self.ledger.reject(c, reason, detail)

@@ -57,10 +57,6 @@ class SynchronizerConfig:
     committed merges to reconnect and contribute (each fragment merges as soon as all of them
     have), so the first learner back is not merged alone as a whole outer step. It bounds
     restart-to-first-merge; 0 disables it."""
-    stale_round_s: float = 30.0
-    """Stale contributions alone open a round after waiting this long (normally they join the
-    next round that a fresh contribution opens); once every live learner has one waiting, after
-    one period (H steps at the fleet's step time) if that is shorter."""
     heartbeat_interval_s: float = 1.0
     """How often learners are asked to heartbeat."""
     heartbeat_timeout_s: float = 10.0

@@ -6,6 +6,9 @@ The gRPC layer (``server``) turns streams into calls here: ``hello``, ``receive`
 
 - ``recovery`` loads existing state at start-up, ``genesis`` makes the first state otherwise;
 - ``admission`` decides what may enter (Hello checks, every contribution check);
+- the fleet's clock (``ddiloco.algorithm.fleet_clock``), counted here at the pace of the K-th
+  fastest live learner, says when each fragment falls due; its round then asks every live
+  learner for it;
 - one ``rounds.FragmentRound`` per owned fragment merges, commits (``store``) and broadcasts
   (``broadcast``), deciding with the pure round state machine of ``ddiloco.algorithm.round``;
 - ``ledger`` answers and counts every contribution's outcome, ``membership`` tracks liveness.
@@ -14,6 +17,7 @@ The gRPC layer (``server``) turns streams into calls here: ``hello``, ``receive`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
@@ -23,16 +27,20 @@ from typing import Any, TypeVar
 
 import torch
 
+from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
 from ddiloco.algorithm.policies import RunningAverage, Timings
 from ddiloco.algorithm.round import RejoinHold, RoundRules
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
+from ddiloco.core.modes import preset
 from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.partition import Fragment
 from ddiloco.fragments.payload import encode_fragment
+from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.protocol.wire import (
+    FragmentRequest,
     FragmentStatus,
     Heartbeat,
     Hello,
@@ -86,6 +94,11 @@ class Engine:
         self.state: LoadedState | None = None
         self.rounds: dict[int, FragmentRound] = {}
         self.rejoin = RejoinHold()
+        p = cfg.protocol
+        self.fleet = FleetClock(FragmentSchedule(num_fragments=p.num_fragments, sync_every=p.sync_every,
+                                                 overlap=p.overlap), now=clock())
+        self._clock_task: asyncio.Task[None] | None = None
+        self._clock_event: asyncio.Event | None = None
         self.global_cache: dict[int, GlobalTransfer] = {}
         self.closing = False
         self.started_at = clock()
@@ -127,21 +140,48 @@ class Engine:
 
     def start(self) -> None:
         cfg = self.cfg
-        rules = RoundRules(policy=cfg.policy, overlap=cfg.protocol.overlap, sync_every=cfg.protocol.sync_every,
-                           stale_round_s=cfg.stale_round_s)
+        learner_clocked = preset(cfg.protocol.mode).learners_wait
+        rules = RoundRules(policy=cfg.policy, overlap=cfg.protocol.overlap, learner_clocked=learner_clocked)
         settings = MergeSettings(method=cfg.merge_method, embedding_patterns=cfg.embedding_patterns,
                                  stale_anchor=cfg.stale_anchor, staleness_window=cfg.staleness_window,
                                  scale_by_participation=cfg.scale_by_participation,
                                  outer=OuterNesterov(lr=cfg.outer_lr, momentum=cfg.outer_momentum))
         ctx = RoundContext(clock=self.clock, wall=self.wall, live=lambda: self.membership.live(self.clock()),
                            timings=self.timings, run_blocking=self.run_blocking, commit=self.store.commit,
-                           encode=self.encode_global, publish=self.publish, merged=self._merged,
+                           encode=self.encode_global, publish=self.publish, merged=self._merged, ask=self._ask,
                            closing=lambda: self.closing, ledger=self.ledger, rejoin=self.rejoin,
                            max_wait_s=cfg.heartbeat_interval_s)
         for frag in self.fragments.values():
             r = FragmentRound(frag, rules=rules, merge=settings, ctx=ctx, log=self.log)
             self.rounds[frag.spec.index] = r
             r.start()
+        if not learner_clocked:
+            self._clock_event = asyncio.Event()
+            self._clock_task = asyncio.create_task(self._run_clock(), name="fleet-clock")
+
+    async def _run_clock(self) -> None:
+        """Count the fleet's steps and open each fragment's round when it falls due."""
+        assert self._clock_event is not None
+        while not self.closing:
+            now = self.clock()
+            self.fleet.set_pace(now, fleet_pace((r.step_time_s for r in self.membership.live_records(now)),
+                                                self.cfg.policy.quorum))
+            for p, round_no in self.fleet.due(now):
+                if p in self.rounds:
+                    self.rounds[p].request(now, round_no)
+            wake = self.fleet.next_due_at(now)
+            timeout = self.cfg.heartbeat_interval_s if wake is None else min(self.cfg.heartbeat_interval_s,
+                                                                              max(0.0, wake - now))
+            self._clock_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._clock_event.wait(), timeout=timeout)
+
+    def _ask(self, request: FragmentRequest) -> int:
+        """Send ``request`` to every live learner."""
+        live = self.membership.live_records(self.clock())
+        for rec in live:
+            rec.outbox.put_control(request)
+        return len(live)
 
     async def stop(self) -> None:
         """Finish any merge/commit in progress, then stop the rounds."""
@@ -149,11 +189,12 @@ class Engine:
         deadline = self.clock() + 30.0
         while any(r.merging for r in self.rounds.values()) and self.clock() < deadline:
             await asyncio.sleep(0.01)
-        for r in self.rounds.values():
-            r.poke()
-            if r.task is not None:
-                r.task.cancel()
-        await asyncio.gather(*(r.task for r in self.rounds.values() if r.task), return_exceptions=True)
+        tasks = [r.task for r in self.rounds.values() if r.task is not None]
+        if self._clock_task is not None:
+            tasks.append(self._clock_task)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for rec in self.membership.learners.values():
             rec.closing.set()
             rec.outbox.wake()
@@ -218,7 +259,7 @@ class Engine:
                           versions={p: f.version for p, f in self.fragments.items()},
                           heartbeat_interval_s=self.cfg.heartbeat_interval_s,
                           shard_index=self.cfg.shard_index, shard_count=self.cfg.shard_count,
-                          fleet_step=self.membership.fleet_step(now, exclude=hello.learner_id))
+                          fleet_step=int(self.fleet.steps))
         return rec, welcome
 
     def touch(self, rec: LearnerRecord) -> None:
@@ -227,9 +268,13 @@ class Engine:
     def heartbeat(self, rec: LearnerRecord, hb: Heartbeat) -> None:
         rec.last_seen = rec.heartbeat_at = self.clock()
         rec.step, rec.tokens_total, rec.tokens_per_s = hb.step, hb.tokens_total, hb.tokens_per_s
-        if hb.step_time_s > 0:
+        changed = hb.training_done != rec.training_done or hb.step_time_s != rec.step_time_s
+        rec.training_done = hb.training_done
+        if hb.step_time_s > 0 and not hb.training_done:
             rec.step_time_s = hb.step_time_s
             self._step_time.update(hb.step_time_s)
+        if changed:
+            self._poke_all()
 
     def detach(self, rec: LearnerRecord, stream_id: int, reason: str) -> None:
         if self.membership.detach(rec, stream_id):
@@ -239,9 +284,12 @@ class Engine:
             self._poke_all()
 
     def _poke_all(self) -> None:
+        """Liveness or a pace changed: every round and the clock decide again."""
         self.metrics.live_learners.set(len(self.membership.live(self.clock())))
         for r in self.rounds.values():
             r.poke()
+        if self._clock_event is not None:
+            self._clock_event.set()
 
     # -- contributions --------------------------------------------------------------------
 
@@ -306,10 +354,12 @@ class Engine:
         fragments = tuple(FragmentStatus(
             fragment_id=p, version=f.version, last_quorum_size=f.last_quorum_size,
             last_merge_unix=f.last_merge_unix, pending=len(self.rounds[p].inbox) if p in self.rounds else 0,
-            last_grace_s=f.last_grace_s, num_values=f.spec.numel) for p, f in sorted(self.fragments.items()))
+            last_grace_s=f.last_grace_s, num_values=f.spec.numel,
+            round=self.rounds[p].state.round if p in self.rounds else 0) for p, f in sorted(self.fragments.items()))
         return StatusReply(
             synchronizer_id=self.synchronizer_id, mode=self.cfg.protocol.mode, uptime_s=now - self.started_at,
             state="ready" if self.ready else ("genesis_requested" if self.genesis.owner else "genesis_pending"),
             protocol=self.protocol_params(), quorum=self.cfg.policy.quorum, learners=learners,
             fragments=fragments, merges_total=self.ledger.merges_total,
-            rejected_by_reason=dict(self.ledger.rejected_by_reason), token_goodput=self.ledger.token_goodput)
+            rejected_by_reason=dict(self.ledger.rejected_by_reason), token_goodput=self.ledger.token_goodput,
+            fleet_step=self.fleet.steps)

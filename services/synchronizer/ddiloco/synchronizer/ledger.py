@@ -108,7 +108,8 @@ class Ledger:
 
     def record_merge(self, *, fragment: int, version: int, grace_s: float, merge_s: float, commit_s: float,
                      sync_s: float, staleness: list[int], contributions: list[Contribution],
-                     scale: float) -> None:
+                     scale: float, round_no: int = 0, wait_s: float = 0.0) -> None:
+        """``wait_s``: from the round's request to the merge (its longest wait)."""
         self.merges_total += 1
         m = self.metrics
         m.merges.labels(str(fragment)).inc()
@@ -116,7 +117,8 @@ class Ledger:
         m.grace_wait.observe(grace_s)
         m.merge_seconds.observe(merge_s)
         m.commit_seconds.observe(commit_s)
-        self.event({"event": "merge", "fragment": fragment, "version": version, "quorum": len(contributions),
+        self.event({"event": "merge", "fragment": fragment, "version": version, "round": round_no,
+                    "wait_s": wait_s, "quorum": len(contributions),
                     "learners": [c.learner_id for c in contributions], "grace_s": grace_s, "sync_s": sync_s,
                     "staleness": staleness, "scale": scale,
                     "contributions": [[p.learner_id, p.incarnation, p.sequence]

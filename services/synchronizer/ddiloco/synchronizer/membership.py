@@ -1,7 +1,10 @@
 """Who is there: learner records, their streams, and liveness.
 
-A learner is *live* (counts for quorums) while it has an open Sync stream and has been heard
-from within the heartbeat timeout. A dropped stream removes it from quorums at once. A new
+A learner is *live* (is asked for fragments, counts for quorums and paces the fleet's clock) while
+it has an open Sync stream, has been heard from within the heartbeat timeout, still trains (its
+heartbeat does not say ``training_done``) and has something valid to give (its last contribution
+was not refused for its content, say non-finite values, unless a good one followed). A dropped
+stream removes it from quorums at once. A new
 stream with the same learner id replaces the old one (the old stream is told to end), which is
 how a restarted or reconnected learner takes over its identity.
 """
@@ -34,6 +37,10 @@ class LearnerRecord:
     tokens_merged: int = 0
     tokens_received: int = 0
     held: dict[int, int] = field(default_factory=dict)
+    training_done: bool = False
+    """Its heartbeat said it stopped training (it waits for results only)."""
+    faulty: str = ""
+    """Why its last contribution was refused for its content ("" once a good one arrived)."""
     closing: asyncio.Event = field(default_factory=asyncio.Event)
     left: str = ""
     """Why its last stream ended ("" while connected): "said goodbye (REASON)", "learner closed the
@@ -72,9 +79,10 @@ class Membership:
         record.labels = dict(labels)
         if incarnation != record.incarnation:
             # A new process under this id: results queued for the old one would be matched to the
-            # new process's own sequence numbers. The merge log keeps the old process's outcomes.
+            # new process's own sequence numbers. The event log keeps the old process's outcomes.
             record.held = {}
             record.outbox.drop_results()
+            record.training_done, record.faulty, record.step_time_s = False, "", 0.0
         record.incarnation = incarnation
         return record
 
@@ -92,18 +100,14 @@ class Membership:
             del self.learners[oldest.learner_id]
 
     def is_live(self, record: LearnerRecord, now: float) -> bool:
-        return record.connected and now - record.last_seen <= self.heartbeat_timeout_s
+        return (record.connected and now - record.last_seen <= self.heartbeat_timeout_s
+                and not record.training_done and not record.faulty)
+
+    def live_records(self, now: float) -> list[LearnerRecord]:
+        return [r for r in self.learners.values() if self.is_live(r, now)]
 
     def live(self, now: float) -> frozenset[str]:
         return frozenset(lid for lid, r in self.learners.items() if self.is_live(r, now))
-
-    def fleet_step(self, now: float, exclude: str = "") -> int:
-        """Median inner step of the live learners (but ``exclude``), extrapolated from their heartbeats."""
-        steps = sorted(
-            r.step + (int((now - r.heartbeat_at) / r.step_time_s) if r.step_time_s > 0 else 0)
-            for r in self.learners.values()
-            if r.learner_id != exclude and r.heartbeat_at > 0 and self.is_live(r, now))
-        return steps[len(steps) // 2] if steps else 0
 
     def connected(self) -> list[LearnerRecord]:
         return [r for r in self.learners.values() if r.connected]

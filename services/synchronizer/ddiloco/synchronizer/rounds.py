@@ -1,9 +1,11 @@
 """One fragment's merge rounds: inbox -> quorum/grace -> merge -> outer step -> commit -> broadcast.
 
 Each fragment runs its own asyncio task around a pure ``RoundState`` (``ddiloco.algorithm.round``,
-the same state machine the fleet simulator runs). The task asks it for a decision whenever a
-contribution arrives, membership changes, or the decision's own wake-up time passes; there is no
-polling tick beyond the heartbeat interval.
+the same state machine the fleet simulator runs). A round opens when the fleet's clock says the
+fragment is due (``request``): every live learner is asked for it and answers at its next
+inner-step boundary. The task asks the state machine for a decision whenever a contribution
+arrives, membership changes, a request goes out, or the decision's own wake-up time passes; there
+is no polling tick beyond the heartbeat interval.
 
 The merge itself (re-anchoring, weighted RDA, Nesterov step, encoding, the durable commit) runs
 in a thread pool so the event loop keeps serving streams; the new version becomes visible and is
@@ -38,6 +40,7 @@ from ddiloco.algorithm.round import (
     staleness_verdict,
 )
 from ddiloco.fragments.partition import Fragment
+from ddiloco.protocol.wire import FragmentRequest
 from ddiloco.synchronizer.broadcast import GlobalTransfer
 from ddiloco.synchronizer.global_fragment import GlobalFragment
 from ddiloco.synchronizer.inbox import Contribution, Inbox, SealedRound
@@ -74,6 +77,8 @@ class RoundContext:
     publish: Callable[[GlobalTransfer], None]
     merged: Callable[[float, float], None]
     """Feeds the running averages: (quorum time, sync time) of a committed merge."""
+    ask: Callable[[FragmentRequest], int]
+    """Send a request to every live learner; how many were asked."""
     closing: Callable[[], bool]
     ledger: Ledger
     rejoin: RejoinHold
@@ -122,6 +127,13 @@ class FragmentRound:
         self.poke()
         return replaced
 
+    def request(self, now: float, round_no: int) -> None:
+        """The fragment fell due: open its round and ask every live learner for it."""
+        self.state.open(now, round_no, waiting=len(self.inbox) > 0)
+        asked = self.ctx.ask(FragmentRequest(fragment_id=self.index, round=round_no, version=self.fragment.version))
+        self.log.debug("requested", round=round_no, version=self.fragment.version, learners=asked)
+        self.poke()
+
     def waiting(self) -> list[Waiting]:
         return [Waiting(c.learner_id, c.base_version, c.arrived_at) for c in self.inbox.entries]
 
@@ -150,8 +162,9 @@ class FragmentRound:
 
     async def _merge(self, reason: str, grace_s: float) -> None:
         ctx, settings, frag = self.ctx, self.settings, self.fragment
-        quorum_time_s = self.state.quorum_time_s
-        self.state.close()
+        quorum_time_s, round_no = self.state.quorum_time_s, self.state.round
+        opened_at, _ = self.state.close()
+        wait_s = ctx.clock() - opened_at if opened_at is not None else 0.0
         sealed = self.inbox.seal()
         version = frag.version
         point = settings.stale_anchor == "point"
@@ -190,8 +203,9 @@ class FragmentRound:
         ctx.merged(quorum_time_s, sync_s)
         ctx.ledger.record_merge(fragment=self.index, version=version + 1, grace_s=grace_s, merge_s=outcome.merge_s,
                                 commit_s=outcome.commit_s, sync_s=sync_s, staleness=staleness,
-                                contributions=entries, scale=scale)
-        self.log.info("merged", version=version + 1, quorum=len(entries), reason=reason, scale=round(scale, 3),
+                                contributions=entries, scale=scale, round_no=round_no, wait_s=wait_s)
+        self.log.info("merged", version=version + 1, round=round_no, quorum=len(entries), reason=reason,
+                      wait_s=round(wait_s, 4), scale=round(scale, 3),
                       grace_s=round(grace_s, 4), sync_s=round(sync_s, 4),
                       learners=[c.learner_id for c in entries], staleness=staleness)
 

@@ -1,0 +1,83 @@
+"""The fleet's clock: which fragment falls due when, counted by the synchronizer.
+
+Rounds are clocked by the synchronizer, not by each learner. Fragment p falls due at fleet steps
+t >= 1 with ``t mod H == floor(p*H/P)`` (``FragmentSchedule``), and the fleet's step count advances
+at the pace of the K-th fastest live learner (K the quorum; every live learner when K is 0). When
+p falls due the synchronizer asks every live learner for it, and each answers at its next
+inner-step boundary with however many steps it made since its last contribution of p. Learners at
+different speeds thus contribute to the *same* round with different amounts of work, which the
+token weights account for.
+
+Why the synchronizer: when each learner sent p at its own step offset, learners at different
+speeds sent the same fragment many steps apart, so with quorum 1 a round merged the first fresh
+contribution and the others arrived for the next round, a version stale (measured: 56% of all
+merged contributions stale, eval loss +22% against data-parallel in a default 3-learner run).
+
+Why the K-th fastest pace: a round needs K answers; at that pace the K-th learner answers each
+request within one of its own steps, so the quorum is met without waiting for slower learners and
+without asking faster than the quorum can answer. The pace comes from the learners' reported wall
+time per step (heartbeats), so in modes where learners wait for merges the waiting counts too and
+every learner makes about H steps per period.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from ddiloco.fragments.schedule import FragmentSchedule
+
+
+def fleet_pace(step_times_s: Iterable[float], quorum: int) -> float | None:
+    """Seconds per fleet step: the K-th smallest positive step time (K = quorum; 0: the largest),
+    None when nobody has reported one."""
+    times = sorted(t for t in step_times_s if t > 0 and math.isfinite(t))
+    if not times:
+        return None
+    k = len(times) if quorum <= 0 else min(quorum, len(times))
+    return times[k - 1]
+
+
+class FleetClock:
+    """The fleet's step count F, advanced with an injected clock, and the rounds that fall due."""
+
+    def __init__(self, schedule: FragmentSchedule, *, now: float) -> None:
+        self.schedule = schedule
+        self.steps = 0.0
+        """F: fleet steps counted so far."""
+        self.at = now
+        """When ``steps`` was last brought up to date."""
+        self.pace_s: float | None = None
+        """Seconds per fleet step (None: stopped, nobody to pace it)."""
+        self.rounds = [0] * schedule.num_fragments
+        """Rounds that fell due per fragment."""
+        self._next = [schedule.next_due_step(p, 0) for p in range(schedule.num_fragments)]
+
+    def set_pace(self, now: float, pace_s: float | None) -> None:
+        """Count up to ``now`` at the old pace, then go on at ``pace_s``."""
+        self._advance(now)
+        self.pace_s = pace_s
+
+    def _advance(self, now: float) -> None:
+        if now > self.at and self.pace_s:
+            self.steps += (now - self.at) / self.pace_s
+        self.at = max(self.at, now)
+
+    def due(self, now: float) -> list[tuple[int, int]]:
+        """(fragment, round) of every fragment that fell due up to ``now``, in order."""
+        self._advance(now)
+        out: list[tuple[int, int]] = []
+        while True:
+            p = min(range(len(self._next)), key=self._next.__getitem__)
+            if self._next[p] > self.steps + 1e-9:
+                return out
+            self.rounds[p] += 1
+            out.append((p, self.rounds[p]))
+            self._next[p] += self.schedule.sync_every
+
+    def next_due_at(self, now: float) -> float | None:
+        """When the next fragment falls due at the current pace (None while stopped)."""
+        if not self.pace_s:
+            return None
+        self._advance(now)
+        return self.at + max(0.0, min(self._next) - self.steps) * self.pace_s
