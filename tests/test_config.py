@@ -110,3 +110,20 @@ def test_services_refuse_a_bad_file_with_the_field_and_start_nothing(tmp_path: p
     assert proc.returncode == 2 and "learner.model.d_model: Input should be a valid integer" in proc.stderr
     proc = _cli("learner", "--synchronizer", "localhost", "--steps", "1")
     assert proc.returncode == 2 and "must be HOST:PORT" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_run_section_and_learner_speeds(tmp_path: pathlib.Path) -> None:
+    import argparse
+
+    from ddiloco.lab.run_config import resolve
+
+    def args(**kw):  # type: ignore[no-untyped-def]
+        base = dict(config=None, learners=4, steps=10, mode=None, seed=None, learner_speed=None)
+        return argparse.Namespace(**{**base, **kw})
+
+    run, doc = resolve(args(learner_speed=["learner-2=0.5", "learner-3=0.5"]))
+    assert run.learner_speed == {"learner-2": 0.5, "learner-3": 0.5} and doc["run"]["learner_speed"]["learner-3"] == 0.5
+    for bad, message in ((["learner-9=0.5"], "learner-0..learner-3"), (["learner-1=2"], r"in \(0, 1\]"),
+                         (["learner-1"], "ID=FRACTION"), (["learner-1=fast"], "ID=FRACTION")):
+        with pytest.raises(ValueError, match=message):
+            resolve(args(learner_speed=bad))

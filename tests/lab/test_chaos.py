@@ -18,6 +18,7 @@ import time
 import pytest
 
 from ddiloco.lab.chaos import ChaosDriver, FaultPlan, parse_seconds
+from ddiloco.lab.goodput import load_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -169,3 +170,28 @@ def test_step_keyed_faults_fire_when_their_learner_gets_there() -> None:
     assert len(driver.injected) == 3 and all(r["ok"] for r in driver.injected)
     with pytest.raises(ValueError, match="needs the learners' progress"):
         ChaosDriver(plan, {}, lambda r: None)
+
+
+def test_a_stopped_learner_holds_no_merge_longer_than_the_grace_window(tmp_path):
+    # K=1 + grace (max 1 s here): the others' answers meet the quorum, so no round waits for the
+    # stopped learner beyond its grace window plus a step of the others (0.5 s of slack for a busy
+    # machine), and what it sends after it resumes is merged or refused with a reason.
+    s = _chaos_run(tmp_path, FaultPlan().stop("learner-2", at_step=150, duration_s=4), steps=1500)
+    rounds = s["rounds"]
+    assert rounds["max_merge_wait_s"] < 1.0 + 0.5, rounds
+    assert rounds["participation_mean"] > 2.0, "most rounds still gather the whole fleet"
+    assert s["contributions"]["per_learner"]["learner-2"]["merged"] > 0
+    assert s["invariants"]["all_hold"], s["invariants"]
+
+
+def test_a_learner_whose_weights_turn_nan_heals_and_contributes_again(tmp_path):
+    s = _chaos_run(tmp_path, FaultPlan().nan("learner-1", at_step=150), learners=2, steps=1000)
+    events = load_jsonl(tmp_path / "run" / "learners" / "learner-1.jsonl")
+    kinds = [e["event"] for e in events]
+    assert "poisoned" in kinds and "heal" in kinds and kinds.index("poisoned") < kinds.index("heal")
+    heal = next(e for e in events if e["event"] == "heal")
+    assert "non-finite" in heal["reason"] and len(heal["fragments"]) == 4
+    merged_after = [e for e in events if e["event"] == "result" and e["outcome"] == "merged" and e["t"] > heal["t"]]
+    assert merged_after, "it contributes again after healing"
+    assert s["rounds"]["max_merge_wait_s"] < 1.0 + 0.5, "the others' merges never waited on it"
+    assert s["invariants"]["all_hold"], s["invariants"]

@@ -381,3 +381,17 @@ def test_short_loop_gaps_of_one_learner_are_progress_but_stalls_are_not() -> Non
     assert fleet_summary({"a": log([0.0, 0.1, 0.2, 0.1])}, [])["global_downtime_s"] == 0.0
     # a 3 s stall between steps 2 and 3 is real downtime
     assert abs(fleet_summary({"a": log([0.0, 0.1, 3.0, 0.1])}, [])["global_downtime_s"] - 3.0) < 1e-9
+
+
+def test_round_summary_reports_participation_staleness_and_the_longest_wait() -> None:
+    from ddiloco.lab.goodput import round_summary
+
+    log = [{"event": "sync_start", "t": 0.0},
+           {"event": "merge", "t": 1.0, "fragment": 0, "quorum": 3, "staleness": [0, 0, 1], "wait_s": 0.4},
+           {"event": "merge", "t": 2.0, "fragment": 0, "quorum": 1, "staleness": [0], "wait_s": 0.1},
+           {"event": "merge", "t": 3.0, "fragment": 1, "quorum": 2, "staleness": [0, 0], "wait_s": 0.9}]
+    s = round_summary(log)
+    assert (s["merges"], s["participation_mean"], s["participation_min"]) == (3, 2.0, 1)
+    assert s["stale_share"] == pytest.approx(1 / 6) and s["max_merge_wait_s"] == 0.9
+    assert s["per_fragment"]["0"]["max_merge_wait_s"] == 0.4 and s["per_fragment"]["1"]["participation_min"] == 2
+    assert round_summary([])["participation_mean"] is None

@@ -13,7 +13,8 @@ how fast this machine happens to be):
 - ``net``: a network fault on one learner's link, through its ``FaultProxy``: ``latency`` (value =
   seconds), ``bandwidth`` (value = bytes/s), ``stall``, ``blackhole`` (both for ``duration_s``),
   ``reset`` (drop every connection);
-- ``scale_up``: start an extra learner; ``drain``: SIGTERM a learner (it finishes its step and leaves).
+- ``scale_up``: start an extra learner; ``drain``: SIGTERM a learner (it finishes its step and leaves);
+- ``nan``: a learner's parameters turn NaN (SIGUSR1, its fault-injection hook); it must heal.
 
 Plans come from a YAML/JSON file (``events: [{at_s, kind, target, ...}]``), from a shorthand
 ``random:mtbf=30s,seed=7[,duration=300s][,kinds=kill+stop+net+sync]`` (exponential gaps with the
@@ -36,7 +37,7 @@ from pydantic.dataclasses import dataclass as config_dataclass
 
 from ddiloco.core.config import STRICT, build, read_file
 
-Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain"]
+Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain", "nan"]
 KINDS: tuple[str, ...] = get_args(Kind)
 NET_FAULTS = ("latency", "bandwidth", "stall", "blackhole", "reset")
 
@@ -71,7 +72,7 @@ class FaultEvent:
             raise ValueError("at_s must be >= 0 and at_step >= 1")
         if self.duration_s < 0 or (self.restart_after_s is not None and self.restart_after_s < 0):
             raise ValueError("fault times must be >= 0")
-        if self.kind in ("kill", "stop", "drain", "net") and not self.target:
+        if self.kind in ("kill", "stop", "drain", "net", "nan") and not self.target:
             raise ValueError(f"a {self.kind} fault needs a target learner id")
         if self.kind == "net" and self.net not in NET_FAULTS:
             raise ValueError(f"net fault must be one of {', '.join(NET_FAULTS)}, got {self.net!r}")
@@ -108,6 +109,10 @@ class FaultPlan:
 
     def scale_up(self, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:
         self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="scale_up"))
+        return self
+
+    def nan(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="nan", target=target))
         return self
 
     def drain(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:

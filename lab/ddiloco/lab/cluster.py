@@ -36,10 +36,11 @@ def free_port() -> int:
 
 class LocalCluster:
     def __init__(self, out: pathlib.Path, cfg_path: pathlib.Path, *, learners: int, steps: int,
-                 plan: FaultPlan | None = None) -> None:
+                 plan: FaultPlan | None = None, speeds: dict[str, float] | None = None) -> None:
         self.out, self.cfg_path = out, cfg_path
         self.n, self.steps = learners, steps
         self.plan = plan
+        self.speeds = speeds or {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.index: dict[str, int] = {}
         self.proxies: dict[str, Any] = {}
@@ -102,7 +103,8 @@ class LocalCluster:
         self._spawn(lid, [*_cli(), "learner", "--synchronizer", self.learner_target(lid), "--learner-id", lid,
                           "--config", str(self.cfg_path), "--shard", str(i % shards), "--num-shards", str(shards),
                           "--threads", str(self.threads), "--steps", str(steps or self.steps),
-                          "--event-log", str(self.out / "learners" / f"{lid}.jsonl")])
+                          "--event-log", str(self.out / "learners" / f"{lid}.jsonl"),
+                          *(["--speed", str(self.speeds[lid])] if lid in self.speeds else [])])
 
     def learners(self) -> list[str]:
         return [name for name in self.procs if name != "synchronizer"]
@@ -160,7 +162,7 @@ class LocalCluster:
 
         self.driver = ChaosDriver(self.plan, {
             "kill": self._kill, "stop": self._stop, "kill_synchronizer": self._kill_synchronizer,
-            "net": self._net, "scale_up": self._scale_up, "drain": self._drain}, log, progress=self._progress)
+            "net": self._net, "scale_up": self._scale_up, "drain": self._drain, "nan": self._nan}, log, progress=self._progress)
         self.driver.start()
 
     def _proc(self, lid: str) -> subprocess.Popen[bytes]:
@@ -239,6 +241,9 @@ class LocalCluster:
 
     def _scale_up(self, e: FaultEvent) -> None:
         self.start_learner(f"learner-{len(self.index)}")
+
+    def _nan(self, e: FaultEvent) -> None:
+        self._proc(e.target).send_signal(signal.SIGUSR1)  # the learner's parameters turn NaN
 
     def _drain(self, e: FaultEvent) -> None:
         self._proc(e.target).send_signal(signal.SIGTERM)

@@ -574,7 +574,33 @@ def _merge_timing(merge_log: Sequence[Mapping[str, Any]], window: tuple[float, f
         "max_merge_gap_at": gap_at,
         "sync_restarts": restarts,
         "restart_to_first_merge_s": [r["restart_to_first_merge_s"] for r in restarts],
+        "rounds": round_summary(log),
     }
+
+
+def round_summary(merge_log: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How the merges went, per fragment and overall: participation (contributions per merge), the
+    share of merged contributions that were stale (re-anchored from an older version), and the
+    longest a merge waited from its round's request (``wait_s``)."""
+    merges = [e for e in merge_log if e.get("event") == "merge"]
+
+    def stats(of: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        sizes = [int(e.get("quorum") or len(e.get("learners") or [])) for e in of]
+        staleness = [int(s) for e in of for s in e.get("staleness") or []]
+        waits = [float(e["wait_s"]) for e in of if e.get("wait_s") is not None]
+        return {
+            "merges": len(of),
+            "participation_mean": float(np.mean(sizes)) if sizes else None,
+            "participation_min": min(sizes) if sizes else None,
+            "stale_share": _share(sum(1 for s in staleness if s > 0), len(staleness)),
+            "max_merge_wait_s": max(waits) if waits else None,
+            "mean_merge_wait_s": float(np.mean(waits)) if waits else None,
+        }
+
+    by_fragment: dict[int, list[Mapping[str, Any]]] = {}
+    for e in merges:
+        by_fragment.setdefault(int(e.get("fragment", 0)), []).append(e)
+    return {**stats(merges), "per_fragment": {str(p): stats(of) for p, of in sorted(by_fragment.items())}}
 
 
 def fleet_summary(learner_logs: Mapping[str, Sequence[Mapping[str, Any]]],

@@ -39,7 +39,8 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
     run = doc["run"]
     n, steps = int(run["learners"]), int(run["steps"])
     cfg_path = out / "config.yaml"
-    cluster = LocalCluster(out, cfg_path, learners=n, steps=steps, plan=plan)
+    cluster = LocalCluster(out, cfg_path, learners=n, steps=steps, plan=plan,
+                           speeds=dict(run.get("learner_speed") or {}))
     trained = [0]  # the fleet's tokens so far, for the evaluator's thread
     curve = EvalCurve(out, GlobalModelEval(cfg_path, batches=int(doc["train"]["eval_batches"]),
                                            final_batches=int(run["final_eval_batches"])),
@@ -156,6 +157,7 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         "compute_share": fleet.get("compute_share"),
         "contributions": fleet.get("contributions"),
         "faults_injected": result.get("faults_injected", []),
+        "rounds": fleet.get("rounds"),
         "invariants": check_invariants(logs, merge_log, fleet, result["chaos_started_t"])
         if result.get("chaos_started_t") else None,
         "failed_learners": result.get("failed_learners", {}),
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learners", type=int, help="learner processes (default 3)")
     parser.add_argument("--steps", type=int, help="inner steps per learner (default 600)")
     parser.add_argument("--mode", choices=RUN_MODES, help="decoupled (default), streaming, diloco, or dp (reference)")
+    parser.add_argument("--learner-speed", action="append", metavar="ID=FRACTION",
+                        help="run a learner at a fraction of full speed, e.g. learner-2=0.5 (repeatable)")
     parser.add_argument("--chaos", help="fault plan: a YAML/JSON file or a shorthand like random:mtbf=30s")
     parser.add_argument("--out", help="run folder (default runs/<time>-<mode>)")
     parser.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")

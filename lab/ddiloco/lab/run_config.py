@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from dataclasses import field
 from typing import Any, Literal
 
 from pydantic.dataclasses import dataclass
@@ -38,6 +39,9 @@ class RunConfig:
     """Evaluate the global model this often while the run trains (0: only at genesis and the end)."""
     chaos_horizon_s: float = 300.0
     """Over how many seconds a ``random:`` fault plan spreads its faults (unless it says)."""
+    learner_speed: dict[str, float] = field(default_factory=dict)
+    """For experiments with unequal hardware: learner id -> fraction of full speed (0.5: every
+    inner step takes twice as long). Learners not named run at full speed."""
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.steps < 1:
@@ -48,6 +52,13 @@ class RunConfig:
             raise ValueError(f"global_eval_every_s must be >= 0 (0: off), got {self.global_eval_every_s}")
         if self.chaos_horizon_s <= 0:
             raise ValueError(f"chaos_horizon_s must be > 0, got {self.chaos_horizon_s}")
+        ids = {f"learner-{i}" for i in range(self.learners)}
+        for lid, speed in self.learner_speed.items():
+            if lid not in ids:
+                raise ValueError(f"learner_speed names {lid!r}, but the run's learners are learner-0..learner-"
+                                 f"{self.learners - 1}")
+            if not 0 < speed <= 1:
+                raise ValueError(f"learner_speed of {lid} must be in (0, 1], got {speed}")
 
 
 DEFAULTS: dict[str, Any] = {
@@ -76,6 +87,15 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
     section = dict(file_doc.get("run") or {})
     section.update({k: getattr(args, k) for k in ("learners", "steps", "mode", "seed")
                     if getattr(args, k) is not None})
+    for item in getattr(args, "learner_speed", None) or ():
+        lid, sep, value = item.partition("=")
+        try:
+            speed = float(value)
+        except ValueError:
+            speed = None
+        if not sep or speed is None:
+            raise ValueError(f"--learner-speed takes ID=FRACTION (e.g. learner-2=0.5), got {item!r}")
+        section["learner_speed"] = {**(section.get("learner_speed") or {}), lid: speed}
     run = build(RunConfig, section, "run")
     doc = merge_documents(DEFAULTS, file_doc)
     doc["run"] = to_dict(run)
