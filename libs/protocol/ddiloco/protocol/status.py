@@ -27,7 +27,8 @@ TOKEN_ENV = "DDILOCO_TOKEN"
 def render(s: wire.StatusReply) -> str:
     lines = [
         f"synchronizer {s.synchronizer_id}  mode={s.mode}  state={s.state}  up {s.uptime_s:.0f}s  "
-        f"merges={s.merges_total}  quorum K={s.quorum or 'all'}  token goodput={s.token_goodput:.1%}",
+        f"merges={s.merges_total}  quorum K={s.quorum or 'all'}  fleet step {s.fleet_step:.0f}  "
+        f"token goodput={s.token_goodput:.1%}",
     ]
     if s.protocol:
         p = s.protocol
@@ -41,11 +42,12 @@ def render(s: wire.StatusReply) -> str:
         lines.append(f"{ls.learner_id:<20} {'yes' if ls.live else 'no':<5} {ls.last_seen_s:>6.1f}s {ls.step:>8} "
                      f"{ls.tokens_per_s:>9.0f} {ls.merged:>7} {ls.rejected:>8} {ls.superseded:>7}")
     lines.append("")
-    lines.append(f"{'fragment':>8} {'version':>8} {'quorum':>6} {'pending':>7} {'grace':>7} {'last merge':>11}")
+    lines.append(f"{'fragment':>8} {'version':>8} {'round':>6} {'quorum':>6} {'pending':>7} {'grace':>7} "
+                 f"{'last merge':>11}")
     now = time.time()
     for f in s.fragments:
         ago = f"{now - f.last_merge_unix:.1f}s ago" if f.last_merge_unix else "-"
-        lines.append(f"{f.fragment_id:>8} {f.version:>8} {f.last_quorum_size:>6} {f.pending:>7} "
+        lines.append(f"{f.fragment_id:>8} {f.version:>8} {f.round:>6} {f.last_quorum_size:>6} {f.pending:>7} "
                      f"{f.last_grace_s:>6.2f}s {ago:>11}")
     return "\n".join(lines)
 

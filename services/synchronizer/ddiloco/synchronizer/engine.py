@@ -268,12 +268,14 @@ class Engine:
     def heartbeat(self, rec: LearnerRecord, hb: Heartbeat) -> None:
         rec.last_seen = rec.heartbeat_at = self.clock()
         rec.step, rec.tokens_total, rec.tokens_per_s = hb.step, hb.tokens_total, hb.tokens_per_s
-        changed = hb.training_done != rec.training_done or hb.step_time_s != rec.step_time_s
+        done_changed = hb.training_done != rec.training_done
         rec.training_done = hb.training_done
         if hb.step_time_s > 0 and not hb.training_done:
             rec.step_time_s = hb.step_time_s
             self._step_time.update(hb.step_time_s)
-        if changed:
+            if self._clock_event is not None:  # the fleet's pace may have changed
+                self._clock_event.set()
+        if done_changed:  # liveness changed: every round decides again
             self._poke_all()
 
     def detach(self, rec: LearnerRecord, stream_id: int, reason: str) -> None:
