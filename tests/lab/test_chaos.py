@@ -18,7 +18,7 @@ import time
 import pytest
 
 from ddiloco.lab.chaos import ChaosDriver, FaultPlan, parse_seconds
-from ddiloco.lab.goodput import load_jsonl
+from ddiloco.lab.event_logs import load_jsonl
 
 pytestmark = pytest.mark.slow
 

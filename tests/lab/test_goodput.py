@@ -12,13 +12,8 @@ from typing import Any
 
 import pytest
 
-from ddiloco.lab.goodput import (
-    KILLED_IN_FLIGHT,
-    fleet_summary,
-    learner_goodput,
-    load_jsonl,
-    load_run_dir,
-)
+from ddiloco.lab.event_logs import load_jsonl, load_run_dir
+from ddiloco.lab.goodput import KILLED_IN_FLIGHT, fleet_summary, learner_goodput
 
 Event = dict[str, Any]
 

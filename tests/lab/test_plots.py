@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ddiloco.lab.goodput import RunLogs, fleet_summary
+from ddiloco.lab.event_logs import RunLogs
+from ddiloco.lab.goodput import fleet_summary
 from ddiloco.lab.plots import (
     PLOT_FILES,
     compare_figure,

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from ddiloco.lab.goodput import load_jsonl
+from ddiloco.lab.event_logs import load_jsonl
 
 TINY = """
 protocol: {num_fragments: 4, sync_every: 8, overlap: 2}

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
-from ddiloco.lab.goodput import Tail
+from ddiloco.lab.event_logs import Tail
 
 
 def _cli() -> list[str]:

@@ -34,7 +34,7 @@ import torch
 from ddiloco.fragments.outer_gradient import scatter
 from ddiloco.fragments.partition import partition_tensors
 from ddiloco.fragments.payload import decode_fragment
-from ddiloco.lab.goodput import load_jsonl
+from ddiloco.lab.event_logs import load_jsonl
 from ddiloco.learner.config import load_learner_config
 from ddiloco.learner.data import eval_batches, load_corpus
 from ddiloco.learner.inner_loop import evaluate

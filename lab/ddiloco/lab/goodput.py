@@ -8,158 +8,31 @@ Design decisions:
 
 - **Pure functions over dicts.** Every function takes already-parsed events (``list[dict]``) and
   returns plain JSON-able dicts, so the orchestrator, the tests and ad-hoc notebooks compute the
-  same numbers. Only ``load_jsonl``/``load_run_dir`` touch the file system.
+  same numbers. Reading the logs from disk is ``ddiloco.lab.event_logs``.
 - **Credit is given only for merged work.** A step is good for fragment p when a contribution
   of p whose outcome is ``merged`` covers it (``from_step <= step <= to_step``). Rejected,
   dropped and unanswered contributions earn nothing; a ``superseded`` one earns nothing itself
   because the newer contribution from the same base carries (and covers) its window.
 - **Fragments weigh by size.** A step whose progress reached the global model for half the
   parameters is half good: its good fraction is the reached fragments' share of ``numel``.
-- **Killed processes leave ragged logs.** ``load_jsonl`` drops a truncated last line and
-  recovers a record that a restarted process appended onto a half-written line; a learner
-  incarnation without an ``end`` event ends at its last event.
+- **Killed processes leave ragged logs.** A learner incarnation without an ``end`` event ends
+  at its last event.
 - **Vectorised.** Coverage uses ``searchsorted`` + difference arrays and the downtime union a
   running maximum, so tens of thousands of steps cost milliseconds.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-MERGE_LOG_EVENTS = frozenset({"merge", "sync_start", "sync_stop"})
-LEARNER_LOG_EVENTS = frozenset({"start", "step", "send", "result", "dropped", "apply", "eval", "end"})
 OUTCOMES = ("merged", "rejected", "superseded")
 TOP_DOWNTIME_INTERVALS = 10
 """How many of the longest downtime intervals ``fleet_summary`` lists."""
-
-_RECORD_START = '{"event"'
-
-
-# --------------------------------------------------------------------------------------------- I/O
-
-
-def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Parse a JSON Lines event log, tolerating the damage a killed writer leaves.
-
-    Blank lines are skipped. A malformed *last* line (the process died mid-write) is dropped. A
-    malformed line elsewhere is usually a half-written record onto which a restarted process
-    appended its own; the last complete ``{"event"...}`` record on that line is recovered and
-    the fragment before it is dropped. Anything else malformed raises ``ValueError`` naming the
-    file and line, because silently skipping the middle of a log would corrupt the accounting.
-    """
-    path = Path(path)
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    events: list[dict[str, Any]] = []
-    for i, line in enumerate(lines):
-        line = line.strip()
-        if not line:
-            continue
-        record = _parse_record(line)
-        if record is None:
-            record = _recover_spliced(line)
-        if record is None:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: malformed JSON Lines record: {line[:80]!r}")
-        events.append(record)
-    return events
-
-
-class Tail:
-    """Incrementally reads the complete lines of a growing JSON Lines file (a live run's logs)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.partial = path, 0, b""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        data = self.partial + data
-        lines = data.split(b"\n")
-        self.partial = lines.pop()
-        out = []
-        for line in lines:
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-        return out
-
-
-def _parse_record(line: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _recover_spliced(line: str) -> dict[str, Any] | None:
-    pos = line.rfind(_RECORD_START)
-    while pos > 0:
-        record = _parse_record(line[pos:])
-        if record is not None:
-            return record
-        pos = line.rfind(_RECORD_START, 0, pos)
-    return None
-
-
-@dataclass(frozen=True)
-class RunLogs:
-    """The parsed event logs of one run."""
-
-    learners: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    """Learner id -> that learner's events (all incarnations, file order)."""
-    merges: list[dict[str, Any]] = field(default_factory=list)
-    """The synchronizer's merge log (``merge``, ``sync_start``, ``sync_stop``), sorted by time."""
-
-
-def _parents_below(path: Path, root: Path) -> list[Path]:
-    """The folders between ``root`` (excluded) and ``path``, relative to ``root``."""
-    rel = path.parent.relative_to(root)
-    return [Path(*rel.parts[: i + 1]) for i in range(len(rel.parts))]
-
-
-def load_run_dir(run_dir: str | os.PathLike[str]) -> RunLogs:
-    """Load every ``*.jsonl`` under ``run_dir`` (recursively, but not into another run's folder
-    nested in it, such as ``baseline/``: a folder with its own ``config.yaml``) and sort the logs
-    by content.
-
-    A file holding any ``merge``/``sync_start``/``sync_stop`` event is (part of) the merge log;
-    several such files (a sharded synchronizer) are concatenated. A file holding ``start`` or
-    ``step`` events is a learner log, keyed by the ``learner_id`` of its first ``start`` event
-    (else the file name without extension). Other files are ignored.
-    """
-    learners: dict[str, list[dict[str, Any]]] = {}
-    merges: list[dict[str, Any]] = []
-    root = Path(run_dir)
-    for path in sorted(root.rglob("*.jsonl")):
-        if any((root / sub / "config.yaml").exists() for sub in _parents_below(path, root)):
-            continue
-        events = load_jsonl(path)
-        kinds = {e.get("event") for e in events}
-        if kinds & MERGE_LOG_EVENTS:
-            merges.extend(e for e in events if e.get("event") in MERGE_LOG_EVENTS)
-        elif kinds & {"start", "step"}:
-            lid = next((e.get("learner_id") for e in events if e.get("event") == "start"), None)
-            learners.setdefault(str(lid if lid is not None else path.stem), []).extend(events)
-    merges.sort(key=lambda e: float(e.get("t", 0.0)))
-    return RunLogs(learners=learners, merges=merges)
-
 
 # ------------------------------------------------------------------------------ one learner's log
 

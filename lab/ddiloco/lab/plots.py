@@ -27,7 +27,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ddiloco.lab.goodput import RunLogs, fleet_summary, load_run_dir
+from ddiloco.lab.event_logs import RunLogs, load_run_dir
+from ddiloco.lab.goodput import fleet_summary
 
 MAX_TRAIN_POINTS = 4000
 """Train-loss points drawn per learner; longer series are strided (the faint curve is context)."""

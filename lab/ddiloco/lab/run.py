@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 
 from ddiloco.lab.chaos import FaultPlan
+from ddiloco.lab.event_logs import Tail
 from ddiloco.lab.global_eval import EvalCurve, GlobalModelEval, read_curve
-from ddiloco.lab.goodput import Tail
 from ddiloco.lab.run_config import RUN_MODES, resolve, validate
 
 
@@ -118,7 +118,8 @@ def _status(target: str) -> dict[str, Any]:
 
 
 def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
-    from ddiloco.lab.goodput import fleet_summary, load_jsonl
+    from ddiloco.lab.event_logs import load_jsonl
+    from ddiloco.lab.goodput import fleet_summary
     from ddiloco.lab.invariants import check as check_invariants
     from ddiloco.learner.data import load_corpus, unigram_entropy
 

@@ -106,7 +106,7 @@ class Learner:
         self.sequence = itertools.count(1)
         self.tokens = 0
         self.blocked_s = 0.0
-        self.learner_clocked = preset(cfg.protocol.mode).learners_wait
+        self.learners_wait = preset(cfg.protocol.mode).learners_wait
         """Modes where learners wait for merges send at their own due steps (ddiloco.core.modes)."""
         self.poisoned = threading.Event()
         """Set by a test or chaos hook (SIGUSR1): the parameters turn NaN at the next step boundary."""
@@ -187,7 +187,7 @@ class Learner:
                     c[1] += 1
             for p in self.comm.take_heals():
                 self._heal([p], step, f"{HEAL_AFTER} contributions in a row refused for their content")
-            due = ({p: 0 for p in self.schedule.due(step)} if self.learner_clocked
+            due = ({p: 0 for p in self.schedule.due(step)} if self.learners_wait
                    else self.comm.take_requests())
             for p, round_no in sorted(due.items()):
                 self._send(p, step, round_no)
@@ -282,9 +282,8 @@ class Learner:
 
     def _apply_arrivals(self, step: int) -> float:
         """Apply merged fragments due at this step boundary; returns seconds blocked waiting."""
-        blocking = preset(self.cfg.protocol.mode).learners_wait
         blocked = 0.0
-        if blocking:
+        if self.learners_wait:
             for p, sent in list(self.sent.items()):
                 if step > self.schedule.apply_step(sent.step) and p not in self.pending:
                     known = self.comm.peek_version(p)
