@@ -83,6 +83,29 @@ def test_decoupled_run_with_two_learners(tmp_path):
     assert all(math.isfinite(e["loss"]) for e in curve)
 
 
+def test_a_slow_learner_is_slower_and_still_contributes_with_its_own_step_counts(tmp_path):
+    # learner-1 at a quarter of full speed: its steps take about 4x as long, the rounds are asked
+    # for at the fast learners' pace, and each of its answers carries the fewer steps it made.
+    s = _run(tmp_path, "--learners", "3", "--steps", "120", "--learner-speed", "learner-1=0.25")
+    out = s["_out"]
+    per = s["per_learner"]
+    step_s = {lid: per[lid]["compute_s"] / per[lid]["steps"] for lid in per}
+    fast = max(step_s["learner-0"], step_s["learner-2"])
+    assert step_s["learner-1"] > 2.0 * fast, step_s
+    sends: dict[str, list[int]] = {}
+    for lid in per:
+        for e in load_jsonl(out / "learners" / f"{lid}.jsonl"):
+            if e["event"] == "send":
+                sends.setdefault(lid, []).append(e["steps"])
+    mean_steps = {lid: sum(v) / len(v) for lid, v in sends.items()}
+    assert mean_steps["learner-1"] < mean_steps["learner-0"] and mean_steps["learner-1"] < mean_steps["learner-2"]
+    assert s["contributions"]["per_learner"]["learner-1"]["merged"] > 0
+    assert s["contributions"]["totals"]["unaccounted"] == 0
+    rounds = s["rounds"]
+    assert rounds["merges"] == s["merges"] and rounds["participation_mean"] >= 1.0
+    assert set(rounds["per_fragment"]) == {"0", "1", "2", "3"}
+
+
 def test_baseline_run_dir_is_reported_beside_the_run_and_mismatches_are_refused(tmp_path):
     base = _run(tmp_path, "--learners", "2", "--steps", "40", name="base")
     s = _run(tmp_path, "--learners", "2", "--steps", "40", "--baseline", str(base["_out"]), name="again")
