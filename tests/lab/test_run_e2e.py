@@ -40,6 +40,7 @@ def _run(tmp_path: pathlib.Path, *args: str, extra: str = "", name: str = "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     summary["_out"] = out
+    summary["_printed"] = json.loads(proc.stdout[:proc.stdout.rindex("run folder:")])
     return summary
 
 
@@ -67,6 +68,9 @@ def test_decoupled_run_with_two_learners(tmp_path):
     assert s["final_eval_loss"] < _first_loss(out) - 1.0 and math.isfinite(s["final_eval_loss"])
     assert 0 < s["learner_goodput"] <= 1 and s["rejected_contributions"] == 0
     assert s["contributions"]["totals"]["unaccounted"] == 0
+    printed = s["_printed"]  # the head of the summary, and how the rounds went
+    assert printed["final_eval_loss"] == s["final_eval_loss"] and printed["merges"] == s["merges"]
+    assert printed["rounds"] == {k: s["rounds"][k] for k in ("participation_mean", "stale_share", "max_merge_wait_s")}
     for name in ("loss_vs_tokens.png", "merges_over_time.png", "goodput.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the global model, evaluated outside the learners: the genesis model at 0 tokens, points while

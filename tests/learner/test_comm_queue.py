@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from ddiloco.fragments.partition import partition_tensors
-from ddiloco.learner.comm import Comm, Outgoing
+from ddiloco.learner.comm import HEAL_AFTER, Comm, Outgoing
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
+from ddiloco.protocol import wire
 
 
 def _comm() -> tuple[Comm, list[tuple[str, dict]]]:
@@ -70,3 +71,30 @@ def test_stop_reports_everything_left_as_dropped() -> None:
     comm.stop("finished")
     assert sorted(dropped(seen)) == [1, 2, 3]
     assert comm.pending() == 0
+
+
+def test_content_refusals_in_a_row_ask_training_to_heal_that_fragment() -> None:
+    comm, _ = _comm()
+    seq = iter(range(1, 100))
+
+    def result(fragment: int, outcome: str, reason: str = "") -> None:
+        comm._count_result(wire.ContributionResult(sequence=next(seq), fragment_id=fragment, outcome=outcome,
+                                                   reason=reason))
+
+    for _ in range(HEAL_AFTER - 1):
+        result(0, "rejected", "non_finite")
+    result(0, "merged")                      # a merge in between: the count starts over
+    for _ in range(HEAL_AFTER - 1):
+        result(0, "rejected", "bad_shape")
+    for _ in range(2 * HEAL_AFTER):
+        result(0, "rejected", "stale")       # says nothing about the learner's state
+        result(1, "rejected", "not_ready")
+    assert comm.take_heals() == set()
+    result(0, "rejected", "non_finite")      # the HEAL_AFTER-th in a row
+    for _ in range(HEAL_AFTER):
+        result(1, "rejected", "non_finite")
+    assert comm.take_heals() == {0, 1}
+    assert comm.take_heals() == set(), "taken once"
+    for _ in range(HEAL_AFTER - 1):
+        result(1, "rejected", "non_finite")
+    assert comm.take_heals() == set(), "the count started over after the heal"

@@ -276,8 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         plot_run(out, out, global_eval=read_curve(out))
     except Exception as exc:  # plots are a convenience; the summary is the contract
         print(f"ddiloco run: plotting failed: {exc}", file=sys.stderr)
-    print(json.dumps({k: summary[k] for k in ("mode", "learners", "steps", "tokens", "merges", "final_eval_loss",
-                                                "unigram_baseline_loss", "learner_goodput", "global_downtime_s",
-                                                "max_merge_gap_s", "rejected_contributions", "wall_s")}, indent=2))
+    head = {k: summary[k] for k in ("mode", "learners", "steps", "tokens", "merges", "final_eval_loss",
+                                    "unigram_baseline_loss", "learner_goodput", "global_downtime_s",
+                                    "max_merge_gap_s", "rejected_contributions", "wall_s")}
+    rounds = summary.get("rounds") or {}
+    if rounds.get("merges"):
+        head["rounds"] = {k: rounds[k] for k in ("participation_mean", "stale_share", "max_merge_wait_s")}
+    print(json.dumps(head, indent=2))
     print(f"run folder: {out}")
     return 0 if not summary["failed_learners"] else 1

@@ -495,6 +495,19 @@ class Comm:
         payload, _ = self.feedback.encode(out.fragment, out.delta, self.codec)
         return payload
 
+    def _count_result(self, msg: wire.ContributionResult) -> None:
+        """Settle an answered contribution; ``HEAL_AFTER`` refusals of one fragment's contributions
+        for their content in a row (a merge in between starts the count over) ask training to heal it."""
+        with self._lock:
+            self._unacked.pop(msg.sequence, None)
+            if msg.outcome == "rejected" and msg.reason not in RECOVERABLE:
+                self._refused[msg.fragment_id] = self._refused.get(msg.fragment_id, 0) + 1
+                if self._refused[msg.fragment_id] >= HEAL_AFTER:
+                    self._heals.add(msg.fragment_id)
+                    self._refused[msg.fragment_id] = 0
+            elif msg.outcome == "merged":
+                self._refused[msg.fragment_id] = 0
+
     async def _receiver(self, stream: SyncStream) -> None:
         while True:
             msg = await stream.receive()
@@ -503,15 +516,7 @@ class Comm:
                 values = await asyncio.to_thread(decode_fragment, msg, self.layout)
                 self._deliver(Arrival(msg.header.fragment_id, msg.header.version, values))
             elif isinstance(msg, wire.ContributionResult):
-                with self._lock:
-                    self._unacked.pop(msg.sequence, None)
-                    if msg.outcome == "rejected" and msg.reason not in RECOVERABLE:
-                        self._refused[msg.fragment_id] = self._refused.get(msg.fragment_id, 0) + 1
-                        if self._refused[msg.fragment_id] >= HEAL_AFTER:
-                            self._heals.add(msg.fragment_id)
-                            self._refused[msg.fragment_id] = 0
-                    elif msg.outcome == "merged":
-                        self._refused[msg.fragment_id] = 0
+                self._count_result(msg)
                 self.events.emit("result", sequence=msg.sequence, fragment=msg.fragment_id, outcome=msg.outcome,
                                  version=msg.version, reason=msg.reason, weight=msg.weight,
                                  staleness=msg.staleness, detail=msg.detail)
