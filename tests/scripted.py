@@ -24,6 +24,7 @@ from ddiloco.fragments.payload import decode_fragment, encode_fragment
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import SyncStream, message_limit, open_channel
 from ddiloco.protocol.config import ProtocolConfig
+from ddiloco.protocol.credentials import Credentials
 from ddiloco.synchronizer.config import SynchronizerConfig
 from ddiloco.synchronizer.server import SynchronizerServer
 
@@ -78,12 +79,15 @@ class ScriptedLearner:
     _incarnations = itertools.count(1)
 
     def __init__(self, port: int, learner_id: str, *, params: dict[str, torch.Tensor] | None = None,
-                 protocol: ProtocolConfig | None = None, token: str | None = None) -> None:
+                 protocol: ProtocolConfig | None = None, token: str | None = None,
+                 credentials: Credentials | None = None) -> None:
         self.learner_id = learner_id
         self.protocol = protocol or toy_protocol()
         self.params = params if params is not None else toy_params()
         self.layout: FragmentLayout = partition_tensors(self.params, self.protocol.num_fragments)
-        self.channel = open_channel(f"127.0.0.1:{port}", max_message_bytes=message_limit(self.protocol.max_chunk_bytes))
+        self.channel = open_channel(f"127.0.0.1:{port}", max_message_bytes=message_limit(self.protocol.max_chunk_bytes),
+                                    credentials=credentials)
+        token = token if credentials is None else credentials.token
         self.stream = SyncStream(self.channel, max_chunk_bytes=self.protocol.max_chunk_bytes, token=token)
         self.codec = make_codec("fp32")
         self.sequence = itertools.count(1)

@@ -52,8 +52,8 @@ async def _status(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
 async def test_status_over_mutual_tls_with_a_token_from_a_file_or_the_environment(tmp_path):
     await _certificates(tmp_path)
     cfg = sync_config(tmp_path / "state", tls_cert=str(tmp_path / "server.pem"), tls_key=str(tmp_path / "server.key"),
-                      tls_client_ca=str(tmp_path / "ca.pem"), auth_tokens={"operator": "s3cret"})
-    (tmp_path / "token").write_text("s3cret\n")
+                      tls_client_ca=str(tmp_path / "ca.pem"), auth_tokens={"operator": "s3cret-operator-token"})
+    (tmp_path / "token").write_text("s3cret-operator-token\n")
     async with running_server(cfg) as server:
         target = f"127.0.0.1:{server.port}"
         tls = ["--tls-ca", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "client.pem"),
@@ -61,7 +61,7 @@ async def test_status_over_mutual_tls_with_a_token_from_a_file_or_the_environmen
         code, out, err = await _status("--synchronizer", target, "--json", *tls, "--token-file", str(tmp_path / "token"))
         assert code == 0, err
         assert json.loads(out)["state"] == "genesis_pending"
-        code, out, err = await _status("--synchronizer", target, *tls, env={"DDILOCO_TOKEN": "s3cret"})
+        code, out, err = await _status("--synchronizer", target, *tls, env={"DDILOCO_TOKEN": "s3cret-operator-token"})
         assert code == 0 and "state=genesis_pending" in out, err
         code, _, err = await _status("--synchronizer", target, *tls)  # no token
         assert code == 1 and "UNAUTHENTICATED" in err

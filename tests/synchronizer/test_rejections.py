@@ -253,19 +253,49 @@ async def test_garbage_bytes_on_the_port_do_not_hurt_the_service(cfg):
 
 
 async def test_bearer_token_required_and_bound_to_learner_id(tmp_path):
-    cfg = sync_config(tmp_path, auth_tokens={"a": "secret-a", "b": "secret-b"})
+    cfg = sync_config(tmp_path, auth_tokens={"a": "secret-token-of-a", "b": "secret-token-of-b"})
     async with running_server(cfg) as server:
         anon = ScriptedLearner(server.port, "a")
         with pytest.raises(StreamClosed) as info:
             await anon.connect()
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
         await anon.close()
-        thief = ScriptedLearner(server.port, "a", token="secret-b")
+        thief = ScriptedLearner(server.port, "a", token="secret-token-of-b")
         with pytest.raises(StreamClosed) as info:
             await thief.connect()
         assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
         await thief.close()
-        good = ScriptedLearner(server.port, "a", token="secret-a")
+        good = ScriptedLearner(server.port, "a", token="secret-token-of-a")
         assert (await good.connect()).state == "genesis_requested"
         await good.close()
         await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+async def test_norm_guard_stops_a_learner_sending_a_huge_update(tmp_path, action):
+    from ddiloco.algorithm.norm_guard import NormGuardPolicy
+
+    guard = NormGuardPolicy(action=action, factor=10.0, min_history=3)
+    async with running_server(sync_config(tmp_path, norm_guard=guard)) as server:
+        a = await _genesis(server)
+        numel = a.layout[0].numel
+        for v in range(3):  # three ordinary merges build the fragment's history
+            seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=v, steps=4)
+            assert (await a.wait_result(seq)).outcome == "merged"
+        before = _snapshot(server)
+        hostile = torch.full((numel,), 0.01 * 1000)
+        seq = await a.contribute(0, hostile, base_version=3, steps=4)
+        result = await a.wait_result(seq)
+        if action == "reject":
+            assert result.outcome == "rejected" and result.reason == "norm_outlier"
+            _unchanged(server, before)
+            assert server.engine.metrics.contributions.labels(outcome="rejected", reason="norm_outlier")._value.get() == 1
+        else:
+            assert result.outcome == "merged"
+            moved = (server.engine.fragments[0].params - before[0][0]).norm()
+            # The update was cut to 10x the typical one, not 1000x: the global moved by at most
+            # outer_lr x ((1 + momentum) x 10 + the earlier momentum, under 1) x the typical norm.
+            typical = torch.full((numel,), 0.01).norm()
+            assert moved <= 0.7 * (1.5 * 10 + 1) * typical
+            assert server.engine.metrics.norm_clipped._value.get() == 1
+        await a.close()

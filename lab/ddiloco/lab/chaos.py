@@ -37,7 +37,7 @@ from pydantic.dataclasses import dataclass as config_dataclass
 
 from ddiloco.core.config import STRICT, build, read_file
 
-Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain", "nan"]
+Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain", "nan", "corrupt"]
 KINDS: tuple[str, ...] = get_args(Kind)
 NET_FAULTS = ("latency", "bandwidth", "stall", "blackhole", "reset")
 
@@ -72,7 +72,7 @@ class FaultEvent:
             raise ValueError("at_s must be >= 0 and at_step >= 1")
         if self.duration_s < 0 or (self.restart_after_s is not None and self.restart_after_s < 0):
             raise ValueError("fault times must be >= 0")
-        if self.kind in ("kill", "stop", "drain", "net", "nan") and not self.target:
+        if self.kind in ("kill", "stop", "drain", "net", "nan", "corrupt") and not self.target:
             raise ValueError(f"a {self.kind} fault needs a target learner id")
         if self.kind == "net" and self.net not in NET_FAULTS:
             raise ValueError(f"net fault must be one of {', '.join(NET_FAULTS)}, got {self.net!r}")
@@ -113,6 +113,11 @@ class FaultPlan:
 
     def nan(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:
         self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="nan", target=target))
+        return self
+
+    def corrupt(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:
+        """From then on the target sends every outer gradient scaled by its ``corrupt_factor``."""
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="corrupt", target=target))
         return self
 
     def drain(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:

@@ -162,7 +162,8 @@ class LocalCluster:
 
         self.driver = ChaosDriver(self.plan, {
             "kill": self._kill, "stop": self._stop, "kill_synchronizer": self._kill_synchronizer,
-            "net": self._net, "scale_up": self._scale_up, "drain": self._drain, "nan": self._nan}, log, progress=self._progress)
+            "net": self._net, "scale_up": self._scale_up, "drain": self._drain, "nan": self._nan,
+            "corrupt": self._corrupt}, log, progress=self._progress)
         self.driver.start()
 
     def _proc(self, lid: str) -> subprocess.Popen[bytes]:
@@ -244,6 +245,9 @@ class LocalCluster:
 
     def _nan(self, e: FaultEvent) -> None:
         self._proc(e.target).send_signal(signal.SIGUSR1)  # the learner's parameters turn NaN
+
+    def _corrupt(self, e: FaultEvent) -> None:
+        self._proc(e.target).send_signal(signal.SIGUSR2)  # its outer gradients turn hostile
 
     def _drain(self, e: FaultEvent) -> None:
         self._proc(e.target).send_signal(signal.SIGTERM)

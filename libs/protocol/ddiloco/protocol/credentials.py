@@ -7,12 +7,16 @@ synchronizer from the same ``read_pem``.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 BEARER = "Bearer "
+TOKEN_ENV = "DDILOCO_TOKEN"
+"""The environment variable a client's bearer token may come from (a Secret exposed as env)."""
 
 
 def read_pem(path: str) -> bytes:
@@ -22,6 +26,20 @@ def read_pem(path: str) -> bytes:
             return f.read()
     except OSError as exc:
         raise ValueError(f"cannot read PEM file {path}: {exc.strerror}") from exc
+
+
+def read_token(path: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The bearer token from a file (a mounted Secret), else from $DDILOCO_TOKEN; None without either."""
+    if path:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from exc
+        if not token:
+            raise ValueError(f"token file {path} is empty")
+        return token
+    return environ.get(TOKEN_ENV) or None
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 
@@ -19,9 +18,7 @@ import grpc
 from ddiloco.core.config import to_dict
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import get_status
-from ddiloco.protocol.credentials import Credentials
-
-TOKEN_ENV = "DDILOCO_TOKEN"
+from ddiloco.protocol.credentials import TOKEN_ENV, Credentials, read_token
 
 
 def render(s: wire.StatusReply) -> str:
@@ -50,20 +47,6 @@ def render(s: wire.StatusReply) -> str:
         lines.append(f"{f.fragment_id:>8} {f.version:>8} {f.round:>6} {f.last_quorum_size:>6} {f.pending:>7} "
                      f"{f.last_grace_s:>6.2f}s {ago:>11}")
     return "\n".join(lines)
-
-
-def read_token(path: str | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
-    """The bearer token from a file (a mounted Secret) or the environment; None without either."""
-    if path:
-        try:
-            with open(path) as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from exc
-        if not token:
-            raise ValueError(f"token file {path} is empty")
-        return token
-    return environ.get(TOKEN_ENV) or None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,8 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_NOT_READY: _ClassVar[RejectReason]
     REJECT_REASON_UNSUPPORTED_CODEC: _ClassVar[RejectReason]
     REJECT_REASON_FUTURE_VERSION: _ClassVar[RejectReason]
+    REJECT_REASON_TIMEOUT: _ClassVar[RejectReason]
+    REJECT_REASON_NORM_OUTLIER: _ClassVar[RejectReason]
 
 class ContributionOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -92,6 +94,8 @@ REJECT_REASON_UNAUTHENTICATED: RejectReason
 REJECT_REASON_NOT_READY: RejectReason
 REJECT_REASON_UNSUPPORTED_CODEC: RejectReason
 REJECT_REASON_FUTURE_VERSION: RejectReason
+REJECT_REASON_TIMEOUT: RejectReason
+REJECT_REASON_NORM_OUTLIER: RejectReason
 CONTRIBUTION_OUTCOME_UNSPECIFIED: ContributionOutcome
 CONTRIBUTION_OUTCOME_MERGED: ContributionOutcome
 CONTRIBUTION_OUTCOME_REJECTED: ContributionOutcome

@@ -326,9 +326,10 @@ class Comm:
 
     async def _session(self) -> None:
         cfg = self.cfg
+        creds = cfg.credentials
         channel = open_channel(cfg.synchronizer, max_message_bytes=message_limit(cfg.protocol.max_chunk_bytes),
-                               credentials=cfg.credentials)
-        stream = SyncStream(channel, max_chunk_bytes=cfg.protocol.max_chunk_bytes, token=cfg.token)
+                               credentials=creds)
+        stream = SyncStream(channel, max_chunk_bytes=cfg.protocol.max_chunk_bytes, token=creds.token)
         tasks: list[asyncio.Task[Any]] = []
         try:
             welcome = await stream.open(self._hello())

@@ -20,7 +20,7 @@ from ddiloco.learner.data import DataConfig
 from ddiloco.learner.model import ModelConfig
 from ddiloco.protocol.client import check_target
 from ddiloco.protocol.config import ProtocolConfig
-from ddiloco.protocol.credentials import Credentials
+from ddiloco.protocol.credentials import Credentials, read_token
 
 ApplyPolicy = Literal["overwrite", "mix", "replay"]
 APPLY_POLICIES: tuple[str, ...] = ("overwrite", "mix", "replay")
@@ -110,8 +110,15 @@ class LearnerConfig:
     """Longest backoff between reconnection attempts (plus up to 0.5 s jitter). The wait doubles
     from 0.1 s and starts over after every session that stayed connected this long, so a learner
     rejoins a restarted synchronizer within about this long of it serving again."""
+    corrupt_factor: float = 100.0
+    """Fault injection (SIGUSR2, chaos kind corrupt): the factor every outer gradient sent is
+    scaled by from then on, to test the synchronizer's norm guard."""
     token: str | None = None
-    """Bearer token for the synchronizer (also $DDILOCO_TOKEN)."""
+    """Bearer token for the synchronizer, inline (local runs; deployments use token_file or
+    $DDILOCO_TOKEN, so the token sits in neither a config map nor a command line)."""
+    token_file: str | None = None
+    """File holding the bearer token (a mounted Secret); read at start, and again at every
+    reconnection, so a rotated token is picked up without a restart."""
     tls_ca: str | None = None
     """PEM CA to verify the synchronizer (enables TLS)."""
     tls_cert: str | None = None
@@ -122,6 +129,8 @@ class LearnerConfig:
     """Append one JSON line per event (steps, sends, results, applies, evals) to this file."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds ("0.0.0.0" to let a scraper on the network reach it)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.speed <= 1:
@@ -132,10 +141,16 @@ class LearnerConfig:
             raise ValueError("heartbeat_s and wait_timeout_s must be > 0 and reconnect_max_s >= 0.1")
         self.data.check_model(self.model)
         check_target(self.synchronizer)
+        if self.token and self.token_file:
+            raise ValueError("give the token inline or as token_file, not both")
+        if self.token_file:
+            read_token(self.token_file, {})  # refused now, not at the first connection
 
     @property
     def credentials(self) -> Credentials:
-        return Credentials(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, token=self.token)
+        """TLS files and the token; the token file is read again at each call (each connection)."""
+        token = read_token(self.token_file, {}) if self.token_file else self.token
+        return Credentials(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, token=token)
 
     @property
     def resolved_id(self) -> str:

@@ -24,16 +24,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", type=float, help="experiments: run at this fraction of full speed (0 < S <= 1)")
     parser.add_argument("--event-log", help="append one JSON line per event (steps, sends, results, applies, evals) here")
     parser.add_argument("--summary-file", help="write the final summary JSON here")
+    parser.add_argument("--token-file", dest="token_file",
+                        help="file holding the bearer token (default: the config's token_file, else $DDILOCO_TOKEN)")
     args = parser.parse_args(argv)
     configure()
     from ddiloco.learner.config import load_learner_config
     from ddiloco.learner.service import Learner, LearnerError
+    from ddiloco.protocol.credentials import TOKEN_ENV
 
     try:
         cfg = load_learner_config(args.config, synchronizer=args.synchronizer, learner_id=args.learner_id,
                                   shard_index=args.shard_index, num_shards=args.num_shards,
                                   event_log=args.event_log, speed=args.speed,
-                                  token=os.environ.get("DDILOCO_TOKEN") or None)
+                                  token_file=args.token_file)
+        if cfg.token is None and cfg.token_file is None and os.environ.get(TOKEN_ENV):
+            cfg = dataclasses.replace(cfg, token=os.environ[TOKEN_ENV])
         if args.steps is not None or args.threads is not None:
             train = dataclasses.replace(cfg.train, **{k: v for k, v in (("steps", args.steps),
                                                                          ("threads", args.threads)) if v is not None})
@@ -45,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: learner.comm.draining.set())
     # fault injection for tests and chaos plans: the parameters turn NaN at the next step boundary
     signal.signal(signal.SIGUSR1, lambda *_: learner.poisoned.set())
+    # ... and from the next send on, every outer gradient is scaled by corrupt_factor (a hostile learner)
+    signal.signal(signal.SIGUSR2, lambda *_: learner.corrupted.set())
     try:
         summary = learner.run()
     except LearnerError as exc:

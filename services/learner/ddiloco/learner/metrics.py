@@ -20,6 +20,6 @@ class LearnerMetrics:
         self.bytes_received = Gauge("ddiloco_learner_bytes_received", "Global payload bytes received", registry=r)
         self.connected = Gauge("ddiloco_learner_connected", "1 while the Sync stream is up", registry=r)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+    def serve(self, port: int, addr: str) -> int:
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
         return int(server.server_address[1])

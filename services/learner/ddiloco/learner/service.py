@@ -109,10 +109,12 @@ class Learner:
         self.learners_wait = preset(cfg.protocol.mode).learners_wait
         """Modes where learners wait for merges send at their own due steps (ddiloco.core.modes)."""
         self.poisoned = threading.Event()
+        self.corrupted = threading.Event()
+        """Set by a chaos hook (SIGUSR2): every outer gradient sent is scaled by corrupt_factor."""
         """Set by a test or chaos hook (SIGUSR1): the parameters turn NaN at the next step boundary."""
         self.metrics = LearnerMetrics()
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(cfg.metrics_port)
+            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
         self.events.observers.append(self._observe)
         self.comm = Comm(cfg, layout=self.layout, model_fingerprint=self.fingerprint, incarnation=self.incarnation,
                          events=self.events, held=lambda: dict(self.version), genesis_values=self._genesis_values)
@@ -273,6 +275,8 @@ class Learner:
         if not bool(torch.isfinite(delta).all()):
             self._heal([p], step, "non-finite outer gradient")
             return
+        if self.corrupted.is_set():  # fault injection: a hostile learner (its own model stays sound)
+            delta = delta * self.cfg.corrupt_factor
         seq = next(self.sequence)
         self.comm.submit(Outgoing(p, seq, self.version[p], tokens, steps, step, delta, round=round_no))
         self.events.emit("send", step=step, fragment=p, sequence=seq, base_version=self.version[p], tokens=tokens,

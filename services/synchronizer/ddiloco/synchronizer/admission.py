@@ -11,7 +11,9 @@ Every check that can refuse input lives here, in the order it is made, each with
   merged twice), a base within the staleness window (``staleness_verdict``, the same rule the
   merge applies), and a payload that decodes to finite values of the right shapes. A learner
   whose payload is refused for its content stops counting as live (``LearnerRecord.faulty``)
-  until a good one arrives, so no round waits for what it cannot give.
+  until a good one arrives, so no round waits for what it cannot give. Last, with
+  ``norm_guard`` on, a norm per step within ``factor`` times the fragment's recent median
+  (``ddiloco.algorithm.norm_guard``): an outlier is refused (``norm_outlier``) or clipped.
 
 A refused contribution is answered with a reason (``Ledger.reject``); the global model is never
 touched by it. Framing faults (corrupt, reordered, oversized chunks) are caught earlier, by
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.round import staleness_verdict
 from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.errors import FragmentError
@@ -80,13 +83,16 @@ class Admission:
     """Checks each contribution against the global state; answers the refused ones."""
 
     def __init__(self, *, ledger: Ledger, staleness_window: int, shard: str,
-                 run_blocking: Callable[..., Awaitable[Any]], codec_threads: int) -> None:
+                 run_blocking: Callable[..., Awaitable[Any]], codec_threads: int,
+                 norm_guard: NormGuard, on_clip: Callable[[Contribution, str], None]) -> None:
         self.ledger = ledger
         self.window = staleness_window
         self.shard = shard
         """"s/S (P=...)" for messages about fragments this shard does not own."""
         self.run_blocking = run_blocking
         self.codec_threads = codec_threads
+        self.norm_guard = norm_guard
+        self.on_clip = on_clip
 
     async def admit(self, rec: LearnerRecord, transfer: Transfer, c: Contribution,
                     state: LoadedState | None) -> torch.Tensor | None:
@@ -122,6 +128,13 @@ class Admission:
             rec.faulty = exc.reason.lower()
             return self._reject(c, exc.reason.lower(), str(exc))
         rec.faulty = ""
+        if self.norm_guard.policy.action != "off":
+            verdict = self.norm_guard.judge(h.fragment_id, float(torch.linalg.vector_norm(delta)), h.steps)
+            if verdict.action == "reject":
+                return self._reject(c, "norm_outlier", verdict.detail)
+            if verdict.action == "clip":
+                delta.mul_(verdict.scale)
+                self.on_clip(c, verdict.detail)
         return delta
 
     def _reject(self, c: Contribution, reason: str, detail: str) -> None:

@@ -13,11 +13,48 @@ from typing import Any, Literal
 
 from pydantic.dataclasses import dataclass
 
+from ddiloco.algorithm.norm_guard import NormGuardPolicy
 from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.core.config import STRICT, ConfigError, build, check_sections
 from ddiloco.core.modes import apply_mode, preset
 from ddiloco.protocol.client import message_limit
 from ddiloco.protocol.config import ProtocolConfig
+
+
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class Limits:
+    """Bounds on what connections and learners may cost the synchronizer. Each refusal is counted
+    in ``ddiloco_sync_limit_refusals_total{limit=...}`` and answered with a gRPC status."""
+
+    max_streams: int = 1024
+    """Sync streams open at once; beyond it a new stream is refused (RESOURCE_EXHAUSTED)."""
+    max_streams_per_connection: int = 16
+    """Concurrent HTTP/2 streams per connection (further calls queue on the client)."""
+    max_transfer_bytes: int = 1024 * 1024 * 1024
+    """Largest transfer (one fragment) a stream may send; once the global layout is known the
+    bound is the largest fragment in fp32 plus framing, if that is smaller (RESOURCE_EXHAUSTED)."""
+    hello_rate_per_s: float = 2.0
+    """Sync streams a single peer address may open per second, sustained (RESOURCE_EXHAUSTED)."""
+    hello_burst: int = 64
+    """... and in a burst (a node of learners reconnecting at once after a synchronizer restart)."""
+    hello_timeout_s: float = 30.0
+    """A Sync stream must send its Hello within this long."""
+    idle_stream_timeout_s: float = 120.0
+    """A Sync stream that sends nothing (not even a heartbeat) for this long is closed."""
+    transfer_timeout_s: float = 600.0
+    """A transfer must be complete this long after its first chunk (a deliberately slow stream
+    cannot hold a reassembly buffer forever)."""
+    handshake_timeout_s: float = 10.0
+    """A connection must finish its TLS and HTTP/2 handshake within this long."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_streams", "max_streams_per_connection", "max_transfer_bytes", "hello_burst"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("hello_rate_per_s", "hello_timeout_s", "idle_stream_timeout_s", "transfer_timeout_s",
+                     "handshake_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"limits.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
@@ -77,6 +114,9 @@ class SynchronizerConfig:
     """Number of synchronizer shards."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (None: off; 0: a free port)."""
+    metrics_host: str | None = None
+    """Address the metrics endpoint binds (None: the host of ``listen``, so a synchronizer serving
+    on loopback does not publish its metrics to the network)."""
     event_log: str | None = None
     """Append one JSON line per event to this file: each start, merge and rejected contribution."""
     keepalive_time_s: float = 20.0
@@ -86,7 +126,22 @@ class SynchronizerConfig:
     shutdown_grace_s: float = 5.0
     """Seconds in-flight RPCs get on SIGTERM after the commit in progress finishes."""
     auth_tokens: dict[str, str] = field(default_factory=dict)
-    """learner id -> bearer token. Empty: no authentication (local runs only)."""
+    """identity -> bearer token, written inline (tests and local runs; deployments use
+    auth_tokens_file, so no token sits in a config map). Empty, with no auth_tokens_file:
+    no token authentication."""
+    auth_tokens_file: str | None = None
+    """YAML/JSON file mapping identity -> bearer token (a mounted Secret). Read at start and again
+    whenever it changes, so tokens rotate without a restart."""
+    identity_binding: Literal["exact", "prefix"] = "exact"
+    """How a credential's identity (the id its token is listed under, or its client certificate's
+    common name) binds the learner id of a Sync stream: exact, equal; prefix, equal or
+    ``<identity>-...`` (one credential per Deployment whose pods are named after it)."""
+    operators: tuple[str, ...] = ()
+    """Identities that may call GetStatus (and may not Sync). Empty: any authenticated caller may."""
+    limits: Limits = field(default_factory=Limits)
+    """Connection, stream and transfer bounds."""
+    norm_guard: NormGuardPolicy = field(default_factory=NormGuardPolicy)
+    """Refuse or clip a contribution whose norm is an outlier against the fragment's recent ones."""
     tls_cert: str | None = None
     """PEM server certificate (with tls_key): serve TLS."""
     tls_key: str | None = None
@@ -113,6 +168,11 @@ class SynchronizerConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if ":" not in self.listen:
             raise ValueError(f"listen must be HOST:PORT, got {self.listen!r}")
+        if self.auth_tokens:
+            check_tokens(self.auth_tokens, "auth_tokens")
+        if self.operators and not (self.auth_tokens or self.auth_tokens_file or self.tls_client_ca):
+            raise ValueError("operators need credentials to tell them apart: auth_tokens, auth_tokens_file "
+                             "or tls_client_ca")
         if self.max_learners < 1:
             raise ValueError(f"max_learners must be >= 1, got {self.max_learners}")
         p = preset(self.protocol.mode)
@@ -130,6 +190,21 @@ class SynchronizerConfig:
     def max_message_bytes(self) -> int:
         """gRPC message limit: one chunk plus generous room for its header."""
         return message_limit(self.protocol.max_chunk_bytes)
+
+
+def check_tokens(tokens: dict[str, str], source: str) -> None:
+    """Refuse token tables that cannot authenticate anyone unambiguously."""
+    seen: dict[str, str] = {}
+    for identity, token in tokens.items():
+        if not identity or not token:
+            raise ValueError(f"{source}: identities and tokens must be non-empty")
+        if len(token) < 16:
+            raise ValueError(f"{source}: the token of {identity!r} has {len(token)} characters; "
+                             "use at least 16 (e.g. `openssl rand -hex 24`)")
+        if token in seen:
+            raise ValueError(f"{source}: {seen[token]!r} and {identity!r} share a token, so it cannot tell "
+                             "them apart")
+        seen[token] = identity
 
 
 def synchronizer_config(document: dict[str, Any], mode: str | None = None, **overrides: Any) -> SynchronizerConfig:

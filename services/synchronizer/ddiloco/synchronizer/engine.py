@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
+from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
 from ddiloco.algorithm.policies import RunningAverage, Timings
 from ddiloco.algorithm.round import RejoinHold, RoundRules
@@ -86,7 +87,8 @@ class Engine:
                              event_log=cfg.event_log, wall=wall)
         self.admission = Admission(ledger=self.ledger, staleness_window=cfg.staleness_window,
                                    shard=f"{cfg.shard_index}/{cfg.shard_count} (P={cfg.protocol.num_fragments})",
-                                   run_blocking=self.run_blocking, codec_threads=cfg.codec_threads)
+                                   run_blocking=self.run_blocking, codec_threads=cfg.codec_threads,
+                                   norm_guard=NormGuard(cfg.norm_guard), on_clip=self._clipped)
         self.genesis = Genesis(store=self.store, ledger=self.ledger, num_fragments=cfg.protocol.num_fragments,
                                owned=self.owned, sharded=cfg.shard_count > 1,
                                protocol=to_dict(self.protocol_params()), history=cfg.staleness_window,
@@ -315,6 +317,13 @@ class Engine:
         replaced = self.rounds[c.fragment].add(c, delta)
         if replaced is not None:
             self.ledger.superseded(rec, replaced, by=c.sequence)
+
+    def _clipped(self, c: Contribution, detail: str) -> None:
+        self.metrics.norm_clipped.inc()
+        self.log.warning("contribution clipped by the norm guard", learner_id=c.learner_id,
+                         fragment=c.fragment, sequence=c.sequence, detail=detail)
+        self.ledger.event({"event": "norm_clip", "learner_id": c.learner_id, "fragment": c.fragment,
+                           "sequence": c.sequence, "detail": detail})
 
     def reject_framing(self, rec: LearnerRecord, header: Any, reason: str, detail: str) -> None:
         """A transfer broke the stream's framing; it is rejected (the stream is closed by the caller)."""

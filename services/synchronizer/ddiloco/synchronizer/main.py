@@ -21,7 +21,8 @@ def config_from_args(args: argparse.Namespace) -> SynchronizerConfig:
         section["policy"] = {**(section.get("policy") or {}), "quorum": args.quorum}
         document = {**document, "synchronizer": section}
     return synchronizer_config(document, args.mode, listen=args.listen, state_dir=args.state_dir,
-                               metrics_port=args.metrics_port, event_log=args.event_log)
+                               metrics_port=args.metrics_port, event_log=args.event_log,
+                               auth_tokens_file=args.auth_tokens_file)
 
 
 async def serve(cfg: SynchronizerConfig, ready_file: str | None = None) -> int:
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=MODES, help="mode preset (default: the config's protocol.mode)")
     parser.add_argument("--quorum", type=int, help="minimum quorum K (0 = all live learners)")
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port")
+    parser.add_argument("--auth-tokens-file", dest="auth_tokens_file",
+                        help="YAML/JSON file of identity: token (a mounted Secret; re-read when it changes)")
     parser.add_argument("--event-log", help="append one JSON line per start, merge and rejection here")
     parser.add_argument("--ready-file", help="write {port, ...} JSON here once serving (for orchestration)")
     args = parser.parse_args(argv)
@@ -64,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return asyncio.run(serve(cfg, args.ready_file))
+    except ValueError as exc:  # unreadable credentials (tokens file, TLS files)
+        print(f"ddiloco synchronizer: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         get_logger("ddiloco.synchronizer").error("cannot start", error=str(exc))
         return 1

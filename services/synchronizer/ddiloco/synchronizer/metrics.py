@@ -29,9 +29,15 @@ class SynchronizerMetrics:
                              registry=r)
         self.live_learners = Gauge("ddiloco_sync_live_learners", "Learners counting for quorums", registry=r)
         self.connected_learners = Gauge("ddiloco_sync_connected_learners", "Open Sync streams", registry=r)
+        self.norm_clipped = Counter("ddiloco_sync_norm_clipped_total",
+                                    "Contributions scaled down by the norm guard", registry=r)
+        self.limit_refusals = Counter("ddiloco_sync_limit_refusals_total",
+                                      "Streams and transfers refused by a resource limit", ["limit"], registry=r)
+        self.auth_refusals = Counter("ddiloco_sync_auth_refusals_total",
+                                     "Calls refused for their credentials", ["reason"], registry=r)
         self.dropped_results = Counter("ddiloco_sync_dropped_control_messages_total",
                                        "Control messages dropped from full learner queues", registry=r)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+    def serve(self, port: int, addr: str) -> int:
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
         return int(server.server_address[1])

@@ -10,6 +10,12 @@ the offending stream is affected and the global model is untouched.
 Message limits are set from the protocol's chunk size, and keepalive pings let both sides find
 dead peers behind silent networks. SIGTERM: health goes NOT_SERVING, the commit in progress
 finishes, then ``server.stop(grace)``.
+
+Who may call what is decided in ``auth`` (tokens, client certificates, identities) and what a
+stream may cost in ``limits`` and ``config.Limits``: a stream is counted and rate-limited per
+peer address before its Hello is read; it must send its Hello within ``hello_timeout_s``,
+something at least every ``idle_stream_timeout_s``, and each transfer within
+``transfer_timeout_s`` of its first chunk; a transfer may not exceed the largest fragment.
 """
 
 from __future__ import annotations
@@ -20,14 +26,17 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ddiloco.core.logs import get_logger
 from ddiloco.fragments.chunking import Chunk, Reassembler
 from ddiloco.fragments.errors import ChunkError, FragmentError
 from ddiloco.protocol import wire
-from ddiloco.protocol.credentials import read_pem, token_from_metadata
+from ddiloco.protocol.credentials import token_from_metadata
 from ddiloco.synchronizer.admission import Refused
+from ddiloco.synchronizer.auth import Gate, ServerCertificates, TokenTable
 from ddiloco.synchronizer.broadcast import GlobalTransfer
 from ddiloco.synchronizer.config import SynchronizerConfig
 from ddiloco.synchronizer.engine import Engine
+from ddiloco.synchronizer.limits import StreamLimiter
 from ddiloco.synchronizer.membership import LearnerRecord
 
 _STATUS = {
@@ -39,7 +48,8 @@ _STATUS = {
     "DATA_LOSS": grpc.StatusCode.DATA_LOSS,
     "ABORTED": grpc.StatusCode.ABORTED,
 }
-HELLO_TIMEOUT_S = 30.0
+FRAMING_ALLOWANCE = 1024 * 1024
+"""Bytes a transfer may carry beyond its fragment in fp32 (codec headers, scales)."""
 
 
 def _framing_status(exc: FragmentError) -> grpc.StatusCode:
@@ -51,7 +61,10 @@ def _framing_status(exc: FragmentError) -> grpc.StatusCode:
 
 
 def channel_options(cfg: SynchronizerConfig) -> list[tuple[str, Any]]:
+    lim = cfg.limits
     return [
+        ("grpc.max_concurrent_streams", lim.max_streams_per_connection),
+        ("grpc.server_handshake_timeout_ms", int(lim.handshake_timeout_s * 1000)),
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
@@ -72,15 +85,16 @@ class _Violation(Exception):
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without a known ``authorization: Bearer <token>`` (health checks are open)."""
 
-    def __init__(self, tokens: dict[str, str]) -> None:
-        self.ids_by_token = {tok: lid for lid, tok in tokens.items()}
+    def __init__(self, tokens: TokenTable, on_refusal: Any) -> None:
+        self.tokens = tokens
+        self.on_refusal = on_refusal
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
-        token = token_from_metadata(details.invocation_metadata)
-        if token in self.ids_by_token:
+        if self.tokens.identity(token_from_metadata(details.invocation_metadata)) is not None:
             return await continuation(details)
+        self.on_refusal()
         return _deny_handler(details.method)
 
 
@@ -96,28 +110,51 @@ def _deny_handler(method: str) -> grpc.RpcMethodHandler:
 
 
 class SynchronizerServicer(wire.SynchronizerServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, gate: Gate) -> None:
         self.engine = engine
+        self.gate = gate
+        self.limiter = StreamLimiter(engine.cfg.limits, engine.clock)
+
+    def _identities(self, context: grpc.aio.ServicerContext) -> list[str]:
+        return self.gate.identities(token_from_metadata(context.invocation_metadata()), context)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, limit: str, detail: str) -> None:
+        self.engine.metrics.limit_refusals.labels(limit=limit).inc()
+        self.engine.log.warning("stream refused", limit=limit, peer=context.peer(), detail=detail)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit}: {detail}")
 
     # -- Sync -----------------------------------------------------------------------------
 
     async def Sync(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        refused = self.limiter.admit(context.peer())
+        if refused is not None:
+            await self._refuse(context, *refused)
+        try:
+            async for message in self._sync(request_iterator, context):
+                yield message
+        finally:
+            self.limiter.release()
+
+    async def _sync(self, request_iterator, context):  # type: ignore[no-untyped-def]
         engine = self.engine
         reader = request_iterator.__aiter__()
         try:
-            first = await asyncio.wait_for(reader.__anext__(), timeout=HELLO_TIMEOUT_S)
-        except (StopAsyncIteration, TimeoutError):
+            first = await asyncio.wait_for(reader.__anext__(), timeout=engine.cfg.limits.hello_timeout_s)
+        except StopAsyncIteration:
             return
+        except TimeoutError:
+            await self._refuse(context, "hello_timeout", f"no Hello within {engine.cfg.limits.hello_timeout_s:g}s")
         try:
             hello = wire.learner_message_from_pb(first)
         except FragmentError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad first message: {exc}")
         if not isinstance(hello, wire.Hello):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of Sync must be Hello")
-        bound = self._bound_learner(context)
-        if bound is not None and bound != hello.learner_id:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"credentials belong to {bound!r}, not {hello.learner_id!r}")
+        denied = self.gate.check_sync(self._identities(context), hello.learner_id)
+        if denied is not None:
+            engine.metrics.auth_refusals.labels(reason="identity").inc()
+            engine.log.warning("stream refused", learner_id=hello.learner_id, peer=context.peer(), detail=denied)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
         try:
             record, welcome = engine.hello(hello)
         except Refused as r:
@@ -159,19 +196,34 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 t.cancel()
             engine.detach(record, stream_id, reason)
 
-    def _bound_learner(self, context: grpc.aio.ServicerContext) -> str | None:
-        tokens = self.engine.cfg.auth_tokens
-        if not tokens:
-            return None
-        token = token_from_metadata(context.invocation_metadata())
-        return {tok: lid for lid, tok in tokens.items()}.get(token, "")
-
     async def _read(self, record: LearnerRecord, reader: Any) -> str | None:
         """Handle the learner's messages until its stream ends; the goodbye's reason if it said one."""
         engine = self.engine
-        reassembler = Reassembler(max_chunk_bytes=engine.cfg.protocol.max_chunk_bytes,
-                                  max_payload_bytes=2 * engine.cfg.protocol.max_chunk_bytes * 4096)
-        async for raw in reader:
+        lim = engine.cfg.limits
+        max_transfer = lim.max_transfer_bytes
+        if engine.state is not None:
+            largest = max(f.numel for f in engine.state.layout.fragments)
+            max_transfer = min(max_transfer, 4 * largest + FRAMING_ALLOWANCE)
+        reassembler = Reassembler(max_chunk_bytes=engine.cfg.protocol.max_chunk_bytes, max_payload_bytes=max_transfer)
+        transfer_started = 0.0
+        while True:
+            wait_s = lim.idle_stream_timeout_s
+            if reassembler.in_progress is not None:
+                wait_s = min(wait_s, transfer_started + lim.transfer_timeout_s - engine.clock())
+            try:
+                raw = await asyncio.wait_for(reader.__anext__(), timeout=max(wait_s, 0.0))
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                engine.reject_framing(record, reassembler.in_progress, "timeout", "stream too slow")
+                if reassembler.in_progress is not None and wait_s < lim.idle_stream_timeout_s:
+                    limit, detail = "transfer_timeout", f"transfer not complete within {lim.transfer_timeout_s:g}s"
+                else:
+                    limit, detail = "idle_stream_timeout", f"nothing received for {lim.idle_stream_timeout_s:g}s"
+                engine.metrics.limit_refusals.labels(limit=limit).inc()
+                raise _Violation(grpc.StatusCode.DEADLINE_EXCEEDED, f"{limit}: {detail}") from None
+            if reassembler.in_progress is None:
+                transfer_started = engine.clock()
             try:
                 msg = wire.learner_message_from_pb(raw)
             except FragmentError as exc:
@@ -185,6 +237,8 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                     transfer = reassembler.feed(msg)
                 except ChunkError as exc:
                     engine.reject_framing(record, header, exc.reason.lower(), str(exc))
+                    if exc.reason == "OVERSIZED":
+                        engine.metrics.limit_refusals.labels(limit="max_transfer_bytes").inc()
                     raise _Violation(_framing_status(exc), f"{exc.reason.lower()}: {exc}") from exc
                 if transfer is not None:
                     await engine.receive(record, transfer)
@@ -215,6 +269,10 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 yield wire.chunk_to_pb(chunk)
 
     async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        denied = self.gate.check_status(self._identities(context))
+        if denied is not None:
+            self.engine.metrics.auth_refusals.labels(reason="not_operator").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
         return wire.status_to_pb(self.engine.status())
 
 
@@ -223,11 +281,23 @@ class SynchronizerServer:
 
     def __init__(self, cfg: SynchronizerConfig, engine: Engine | None = None) -> None:
         self.cfg = cfg
+        # Credentials first: an unreadable tokens file or TLS file refuses the start before any
+        # state is touched.
+        log = get_logger("ddiloco.synchronizer")
+        self.tokens = TokenTable(cfg.auth_tokens, cfg.auth_tokens_file,
+                                 on_error=lambda msg: log.error("credentials", detail=msg))
+        self.certificates = ServerCertificates(
+            cfg, on_reload=lambda paths: log.info("TLS files reloaded", files=paths),
+            on_error=lambda msg: log.error("credentials", detail=msg)) if cfg.tls_cert else None
+        if cfg.auth_tokens:
+            log.warning("auth_tokens are written inline in the config; deployments should use auth_tokens_file")
         self.engine = engine or Engine(cfg)
         self.health = health.aio.HealthServicer()
-        interceptors = [BearerTokenInterceptor(cfg.auth_tokens)] if cfg.auth_tokens else []
+        refusal = self.engine.metrics.auth_refusals.labels(reason="unknown_token")
+        interceptors = [BearerTokenInterceptor(self.tokens, refusal.inc)] if self.tokens.enabled else []
         self.server = grpc.aio.server(options=channel_options(cfg), interceptors=interceptors)
-        wire.add_synchronizer_servicer(SynchronizerServicer(self.engine), self.server)
+        self.servicer = SynchronizerServicer(self.engine, Gate(cfg, self.tokens))
+        wire.add_synchronizer_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
         self.metrics_port: int | None = None
@@ -238,9 +308,8 @@ class SynchronizerServer:
             engine.start()
         host, _, port = self.cfg.listen.rpartition(":")
         addr = f"{host}:{port}"
-        if self.cfg.tls_cert:
-            creds = _server_credentials(self.cfg)
-            self.port = self.server.add_secure_port(addr, creds)
+        if self.certificates is not None:
+            self.port = self.server.add_secure_port(addr, self.certificates.credentials())
         else:
             self.port = self.server.add_insecure_port(addr)
         if self.port == 0:
@@ -249,7 +318,7 @@ class SynchronizerServer:
         for service in ("", wire.SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.cfg.metrics_port is not None:
-            self.metrics_port = engine.metrics.serve(self.cfg.metrics_port)
+            self.metrics_port = engine.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host or host.strip("[]"))
         engine.log.info("synchronizer serving", listen=f"{host}:{self.port}", state_dir=self.cfg.state_dir,
                         ready=engine.ready, mode=self.cfg.protocol.mode, metrics_port=self.metrics_port)
         return self.port
@@ -263,10 +332,3 @@ class SynchronizerServer:
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
-
-
-def _server_credentials(cfg: SynchronizerConfig) -> grpc.ServerCredentials:
-    assert cfg.tls_cert and cfg.tls_key
-    root = read_pem(cfg.tls_client_ca) if cfg.tls_client_ca else None
-    return grpc.ssl_server_credentials([(read_pem(cfg.tls_key), read_pem(cfg.tls_cert))], root_certificates=root,
-                                       require_client_auth=root is not None)
