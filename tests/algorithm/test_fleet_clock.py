@@ -53,3 +53,15 @@ def test_many_fragments_per_step_and_one_fragment() -> None:
     diloco = FleetClock(FragmentSchedule(num_fragments=1, sync_every=24, overlap=0), now=0.0)
     diloco.set_pace(0.0, 0.1)
     assert diloco.due(2.39) == [] and diloco.due(2.4) == [(0, 1)] and diloco.due(4.8) == [(0, 2)]
+
+
+def test_a_jump_opens_each_fragment_once_with_its_newest_round() -> None:
+    clock = FleetClock(SCHEDULE, now=0.0)
+    clock.set_pace(0.0, 0.5)
+    # 201 fleet steps at once (H=4): fragment 1 fell due at steps 1, 5, ..., 201 (51 rounds), the
+    # others 50 times; each opens once, in the order of its last due step (198, 199, 200, 201)
+    assert clock.due(100.5) == [(2, 50), (3, 50), (0, 50), (1, 51)]
+    assert clock.due(101.0) == [(2, 51)]  # and on from there as before
+    fast = FleetClock(SCHEDULE, now=0.0)
+    fast.set_pace(0.0, 1e-300)  # a pace nobody can have: still one request per fragment per call
+    assert len(fast.due(1.0)) == 4

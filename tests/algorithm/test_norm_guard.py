@@ -14,8 +14,12 @@ def _warm(guard: NormGuard, fragment: int = 0, norms=(1.0, 1.2, 0.8, 1.1, 0.9, 1
         assert guard.judge(fragment, n * 4, steps=4).action == "accept"
 
 
+def test_reject_is_the_default():
+    assert NormGuardPolicy().action == "reject"
+
+
 def test_off_accepts_anything_and_keeps_no_history():
-    guard = NormGuard(NormGuardPolicy())
+    guard = NormGuard(NormGuardPolicy(action="off"))
     assert guard.judge(0, 1e30, steps=1).action == "accept"
     assert guard.bound(0) is None
 

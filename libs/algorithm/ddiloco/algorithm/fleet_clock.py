@@ -64,16 +64,22 @@ class FleetClock:
         self.at = max(self.at, now)
 
     def due(self, now: float) -> list[tuple[int, int]]:
-        """(fragment, round) of every fragment that fell due up to ``now``, in order."""
+        """(fragment, round) of every fragment that fell due up to ``now``, in order of the step
+        it fell due at. A fragment that fell due several times since the last call (the clock
+        jumped: a stalled loop, a pace reported far too fast) appears once, with its newest
+        round: the older ones would be superseded at once. So one call costs O(fragments)
+        however far the clock moved."""
         self._advance(now)
-        out: list[tuple[int, int]] = []
-        while True:
-            p = min(range(len(self._next)), key=self._next.__getitem__)
-            if self._next[p] > self.steps + 1e-9:
-                return out
-            self.rounds[p] += 1
-            out.append((p, self.rounds[p]))
-            self._next[p] += self.schedule.sync_every
+        h = self.schedule.sync_every
+        out: list[tuple[float, int, int]] = []
+        for p, next_step in enumerate(self._next):
+            if next_step > self.steps + 1e-9:
+                continue
+            k = int((self.steps + 1e-9 - next_step) // h) + 1
+            self.rounds[p] += k
+            self._next[p] = next_step + k * h
+            out.append((next_step + (k - 1) * h, p, self.rounds[p]))
+        return [(p, r) for _, p, r in sorted(out)]
 
     def next_due_at(self, now: float) -> float | None:
         """When the next fragment falls due at the current pace (None while stopped)."""

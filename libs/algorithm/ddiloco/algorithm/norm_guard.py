@@ -34,7 +34,7 @@ from ddiloco.core.config import STRICT
 class NormGuardPolicy:
     """What to do with a contribution whose norm is an outlier."""
 
-    action: Literal["off", "reject", "clip"] = "off"
+    action: Literal["off", "reject", "clip"] = "reject"
     """off: merge every admissible contribution as it is; reject: refuse an outlier (reason
     norm_outlier); clip: scale it down to the bound and merge it."""
     factor: float = 10.0

@@ -66,6 +66,10 @@ from ddiloco.synchronizer.store import StateStore
 
 R = TypeVar("R")
 
+MIN_STEP_TIME_S, MAX_STEP_TIME_S = 1e-4, 3600.0
+"""Step times a heartbeat may report and still pace the fleet's clock (others are ignored, so one
+learner cannot make the clock open rounds without end, nor stop it)."""
+
 __all__ = ["Engine", "Refused"]
 
 
@@ -272,7 +276,10 @@ class Engine:
         rec.step, rec.tokens_total, rec.tokens_per_s = hb.step, hb.tokens_total, hb.tokens_per_s
         done_changed = hb.training_done != rec.training_done
         rec.training_done = hb.training_done
-        if hb.step_time_s > 0 and not hb.training_done:
+        if not MIN_STEP_TIME_S <= hb.step_time_s <= MAX_STEP_TIME_S:
+            if hb.step_time_s != 0:  # 0: not measured yet
+                self.metrics.limit_refusals.labels(limit="step_time").inc()
+        elif not hb.training_done:
             rec.step_time_s = hb.step_time_s
             self._step_time.update(hb.step_time_s)
             if self._clock_event is not None:  # the fleet's pace may have changed

@@ -24,6 +24,7 @@ import asyncio
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.core.logs import get_logger
@@ -142,6 +143,8 @@ class SynchronizerServicer(wire.SynchronizerServicer):
             first = await asyncio.wait_for(reader.__anext__(), timeout=engine.cfg.limits.hello_timeout_s)
         except StopAsyncIteration:
             return
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad first message: not a LearnerMessage")
         except TimeoutError:
             await self._refuse(context, "hello_timeout", f"no Hello within {engine.cfg.limits.hello_timeout_s:g}s")
         try:
@@ -163,6 +166,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
         stream_id = record.stream_id
         closing = record.closing
         read_task = asyncio.create_task(self._read(record, reader))
+        pop_task: asyncio.Task[Any] | None = None
         close_task = asyncio.create_task(closing.wait())
         reason = "stream ended"
         try:
@@ -192,8 +196,13 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 else:
                     yield wire.synchronizer_message_to_pb(item)
         finally:
-            for t in (read_task, close_task):
-                t.cancel()
+            # The pop task too: left running after a cancelled stream it would take the next
+            # message queued for this learner id from its next stream.
+            for t in (read_task, close_task, pop_task):
+                if t is not None and not t.done():
+                    t.cancel()
+            if read_task.done() and not read_task.cancelled():
+                read_task.exception()  # retrieved: an abort while the stream was cancelled is no news
             engine.detach(record, stream_id, reason)
 
     async def _read(self, record: LearnerRecord, reader: Any) -> str | None:
@@ -214,6 +223,9 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 raw = await asyncio.wait_for(reader.__anext__(), timeout=max(wait_s, 0.0))
             except StopAsyncIteration:
                 break
+            except DecodeError as exc:
+                engine.reject_framing(record, reassembler.in_progress, "protocol", "not a LearnerMessage")
+                raise _Violation(grpc.StatusCode.INVALID_ARGUMENT, "protocol: not a LearnerMessage") from exc
             except TimeoutError:
                 engine.reject_framing(record, reassembler.in_progress, "timeout", "stream too slow")
                 if reassembler.in_progress is not None and wait_s < lim.idle_stream_timeout_s:
