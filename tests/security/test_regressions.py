@@ -20,8 +20,6 @@ import pathlib
 import subprocess
 import sys
 
-import grpc
-import pytest
 import torch
 
 from ddiloco.algorithm.policies import QuorumPolicy

@@ -58,11 +58,10 @@ def test_tokens_appear_in_no_log_metric_status_or_command_line(tmp_path: pathlib
             time.sleep(0.1)
         info = json.loads(ready.read_text())
         target = f"127.0.0.1:{info['port']}"
-        learner = subprocess.run(
+        learner = subprocess.run(  # the token from the environment (a Secret exposed as a variable)
             _cli("learner", "--synchronizer", target, "--learner-id", "learner-0", "--config", str(cfg),
-                 "--steps", "24", "--threads", "1", "--token-file", str(tmp_path / "learner-0.token"),
-                 "--event-log", str(tmp_path / "learner-0.jsonl")),
-            capture_output=True, text=True, timeout=240, env=env)
+                 "--steps", "24", "--threads", "1", "--event-log", str(tmp_path / "learner-0.jsonl")),
+            capture_output=True, text=True, timeout=240, env={**env, "DDILOCO_TOKEN": TOKENS["learner-0"]})
         assert learner.returncode == 0, learner.stderr[-2000:]
         cmdline = pathlib.Path(f"/proc/{sync.pid}/cmdline").read_bytes().decode(errors="replace")
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=10).read().decode()
@@ -73,7 +72,7 @@ def test_tokens_appear_in_no_log_metric_status_or_command_line(tmp_path: pathlib
         as_learner = subprocess.run(_cli("status", "--synchronizer", target, "--token-file",
                                          str(tmp_path / "learner-1.token")), capture_output=True, text=True, timeout=60)
         assert as_learner.returncode == 1 and "PERMISSION_DENIED" in as_learner.stderr
-        impostor = subprocess.run(
+        impostor = subprocess.run(  # the token from a file (a mounted Secret)
             _cli("learner", "--synchronizer", target, "--learner-id", "learner-1", "--config", str(cfg),
                  "--steps", "4", "--threads", "1", "--token-file", str(tmp_path / "wrong.token")),
             capture_output=True, text=True, timeout=120, env=env)
@@ -90,6 +89,7 @@ def test_tokens_appear_in_no_log_metric_status_or_command_line(tmp_path: pathlib
         "learner event log": (tmp_path / "learner-0.jsonl").read_text(),
     }
     assert '"merge"' in outputs["synchronizer event log"]
+    assert '"token": "<redacted>"' in outputs["learner event log"].replace('"token":"', '"token": "')
     for where, text in outputs.items():
         for token in [*TOKENS.values(), "tok-not-listed-anywhere-0000"]:
             assert token not in text, f"a token appears in the {where}"

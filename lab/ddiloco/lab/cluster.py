@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from ddiloco.core.resources import available_cpus
 from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
 from ddiloco.lab.event_logs import Tail
 
@@ -44,7 +45,7 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.index: dict[str, int] = {}
         self.proxies: dict[str, Any] = {}
-        self.threads = max(1, (os.cpu_count() or 1) // learners)
+        self.threads = max(1, available_cpus() // learners)
         self.port = 0
         self.pending_restarts = 0
         self.lock = threading.Lock()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ddiloco.core.resources import available_cpus
 from ddiloco.lab.global_eval import write_point
 from ddiloco.learner.config import load_learner_config
 from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
@@ -30,7 +31,7 @@ def run_dp(doc: dict[str, Any], out: pathlib.Path, show_progress: bool = False) 
     n = int(doc["run"]["learners"])
     cfg = load_learner_config(str(out / "config.yaml"), learner_id="dp")
     data = dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * n)
-    torch.set_num_threads(cfg.train.threads or __import__("os").cpu_count() or 1)
+    torch.set_num_threads(cfg.train.threads or available_cpus())
     device = resolve_device(cfg.train.device)
     corpus = load_corpus(cfg.data)
     shard = TokenShard(corpus.train, 0, 1)

@@ -117,12 +117,21 @@ def replace(obj: T, **changes: Any) -> T:
         raise ConfigError(describe(exc, type(obj).__name__)) from None
 
 
-def to_dict(obj: Any) -> Any:
-    """A dataclass (possibly nested) as plain JSON-able data."""
+SECRET_FIELDS = frozenset({"token", "auth_tokens"})
+"""Config fields that hold credentials: ``to_dict(..., redact=True)`` never writes their values."""
+
+
+def to_dict(obj: Any, *, redact: bool = False) -> Any:
+    """A dataclass (possibly nested) as plain JSON-able data; with ``redact``, credentials (the
+    fields in SECRET_FIELDS) become "<redacted>" (for logs and event logs)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            out[f.name] = "<redacted>" if redact and f.name in SECRET_FIELDS and value else to_dict(value, redact=redact)
+        return out
     if isinstance(obj, tuple | list):
-        return [to_dict(v) for v in obj]
+        return [to_dict(v, redact=redact) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
+        return {k: to_dict(v, redact=redact) for k, v in obj.items()}
     return obj

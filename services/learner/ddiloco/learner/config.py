@@ -47,7 +47,8 @@ class TrainConfig:
     device: str = "auto"
     """"cpu", "cuda", "cuda:N" or "auto" (cuda when available)."""
     threads: int = 0
-    """torch intra-op threads; 0 = cores / learners on this host (at least 1)."""
+    """torch intra-op threads; 0 = the CPUs this process may use (its affinity, capped by its
+    cgroup's CPU limit: a pod's `resources.limits.cpu`, rounded up)."""
     eval_every: int = 100
     """Evaluate every N steps (and at the end); 0 = only at the end."""
     eval_batches: int = 8
@@ -73,9 +74,12 @@ class LearnerConfig:
     learner_id: str = ""
     """Stable identity; defaults to $HOSTNAME (the pod name on Kubernetes)."""
     shard_index: int = -1
-    """Data shard; -1 derives it from a trailing number in learner_id (learner-3 -> 3) or a hash."""
-    num_shards: int = 0
-    """Number of data shards; 0 = max(shard_index + 1, 8)."""
+    """Data shard; -1 derives it from the learner id: an ordinal suffix ``-N`` (learner-3, a
+    StatefulSet pod ddiloco-learner-3) gives N mod num_shards, any other id (a Deployment pod
+    such as ddiloco-learner-7d9f8c6b5-x2k94) a stable hash mod num_shards. Every learner of a
+    fleet must agree on num_shards; only ordinals below it guarantee disjoint shards."""
+    num_shards: int = 8
+    """Number of data shards the training data is split into (the same on every learner)."""
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     """Mode, P, H, tau, chunk size and global codec (must match the synchronizer)."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -106,6 +110,9 @@ class LearnerConfig:
     """Heartbeat interval (the Welcome may ask for another)."""
     wait_timeout_s: float = 120.0
     """streaming/diloco: the longest a learner blocks for a merged fragment before it carries on."""
+    join_timeout_s: float = 600.0
+    """Longest a learner tries to join (reach the synchronizer, then upload or fetch the model)
+    before it gives up with an error; SIGTERM ends the attempt at once."""
     reconnect_max_s: float = 2.0
     """Longest backoff between reconnection attempts (plus up to 0.5 s jitter). The wait doubles
     from 0.1 s and starts over after every session that stayed connected this long, so a learner
@@ -137,10 +144,14 @@ class LearnerConfig:
             raise ValueError(f"speed must be in (0, 1], got {self.speed}")
         if not 0 <= self.mix_alpha <= 1:
             raise ValueError(f"mix_alpha must be in [0, 1], got {self.mix_alpha}")
-        if self.heartbeat_s <= 0 or self.wait_timeout_s <= 0 or self.reconnect_max_s < 0.1:
-            raise ValueError("heartbeat_s and wait_timeout_s must be > 0 and reconnect_max_s >= 0.1")
+        if (self.heartbeat_s <= 0 or self.wait_timeout_s <= 0 or self.join_timeout_s <= 0
+                or self.reconnect_max_s < 0.1):
+            raise ValueError("heartbeat_s, wait_timeout_s and join_timeout_s must be > 0 and reconnect_max_s >= 0.1")
         self.data.check_model(self.model)
         check_target(self.synchronizer)
+        if self.num_shards < 1 or self.shard_index >= self.num_shards:
+            raise ValueError(f"need num_shards >= 1 and shard_index < num_shards, got shard_index "
+                             f"{self.shard_index}, num_shards {self.num_shards}")
         if self.token and self.token_file:
             raise ValueError("give the token inline or as token_file, not both")
         if self.token_file:
@@ -157,17 +168,18 @@ class LearnerConfig:
         return self.learner_id or os.environ.get("HOSTNAME") or f"learner-{os.getpid()}"
 
     def resolved_shard(self) -> tuple[int, int]:
+        """(shard index, number of shards) of this learner (see ``shard_index``)."""
         import hashlib
         import re
 
-        index = self.shard_index
-        if index < 0:
-            m = re.search(r"(\d+)$", self.resolved_id)
-            index = int(m.group(1)) if m else int(hashlib.sha1(self.resolved_id.encode()).hexdigest(), 16) % 64
-        total = self.num_shards or max(index + 1, 8)
-        if index >= total:
-            raise ValueError(f"shard_index {index} must be < num_shards {total}")
-        return index, total
+        if self.shard_index >= 0:
+            return self.shard_index, self.num_shards
+        lid = self.resolved_id
+        m = re.search(r"-(\d+)$", lid)
+        if m:
+            return int(m.group(1)) % self.num_shards, self.num_shards
+        digest = hashlib.sha256(lid.encode()).digest()
+        return int.from_bytes(digest[:8], "big") % self.num_shards, self.num_shards
 
 
 def learner_config(document: dict[str, Any], **overrides: Any) -> LearnerConfig:

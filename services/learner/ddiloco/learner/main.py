@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return 2
-    learner = Learner(cfg)
+    try:
+        learner = Learner(cfg)
+    except ValueError as exc:  # the model, data and protocol do not fit together
+        print(f"ddiloco learner: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: learner.comm.draining.set())
     # fault injection for tests and chaos plans: the parameters turn NaN at the next step boundary
     signal.signal(signal.SIGUSR1, lambda *_: learner.poisoned.set())

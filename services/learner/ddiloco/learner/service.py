@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import random
 import threading
 import time
@@ -34,6 +33,7 @@ import torch
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
+from ddiloco.core.resources import available_cpus
 from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
 from ddiloco.fragments.partition import partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -80,7 +80,7 @@ class Learner:
         self.cfg = cfg
         self.learner_id = cfg.resolved_id
         self.incarnation = random.SystemRandom().getrandbits(62) + 1
-        threads = cfg.train.threads or os.cpu_count() or 1
+        threads = cfg.train.threads or available_cpus()
         torch.set_num_threads(threads)
         self.device = resolve_device(cfg.train.device)
         self.log = get_logger("ddiloco.learner", learner_id=self.learner_id)
@@ -137,10 +137,19 @@ class Learner:
     def _genesis_values(self) -> dict[int, torch.Tensor]:
         return {f.index: gather(f, self.params) for f in self.layout}
 
-    def join(self, timeout_s: float = 600.0) -> None:
+    def join(self) -> bool:
+        """Join the fleet (genesis upload or state fetch); False when told to drain (SIGTERM)
+        before it got in, so a pod being scaled down or rolled leaves at once."""
         self.comm.start()
-        if not self.comm.join.ready.wait(timeout_s):
-            raise LearnerError(f"could not join the synchronizer at {self.cfg.synchronizer} within {timeout_s}s")
+        timeout_s = self.cfg.join_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not self.comm.join.ready.wait(0.1):
+            if self.comm.draining.is_set():
+                self.log.info("drained before joining")
+                return False
+            if time.monotonic() > deadline:
+                raise LearnerError(f"could not join the synchronizer at {self.cfg.synchronizer} within {timeout_s:g}s "
+                                   "(learner.join_timeout_s)")
         if self.comm.join.error:
             raise LearnerError(f"synchronizer refused this learner: {self.comm.join.error}")
         if self.comm.join.genesis:
@@ -156,14 +165,19 @@ class Learner:
                          fragment_sizes=[f.numel for f in self.layout], params=num_params(self.inner.model),
                          genesis=self.comm.join.genesis, versions=dict(self.version), shard=self.shard_index,
                          mode=self.cfg.protocol.mode, apply_policy=self.cfg.apply_policy, speed=self.cfg.speed,
-                         config=to_dict(self.cfg))
+                         config=to_dict(self.cfg, redact=True))
         self.log.info("joined", genesis=self.comm.join.genesis, params=num_params(self.inner.model),
                       fragments=self.layout.num_fragments, shard=f"{self.shard_index}/{self.num_shards}")
+        return True
 
     # -- the loop -------------------------------------------------------------------------
 
     def run(self) -> dict:
-        self.join()
+        if not self.join():
+            self.comm.stop("drained")
+            self.events.close()
+            return {"learner_id": self.learner_id, "steps": 0, "tokens": 0, "eval_loss": None, "wall_s": 0.0,
+                    "blocked_s": 0.0}
         cfg = self.cfg
         batch_tokens = cfg.data.batch_size * cfg.data.context
         step = 0
