@@ -132,8 +132,8 @@ def _import_all(target: pathlib.Path, third_party: pathlib.Path, cwd: pathlib.Pa
 
 
 @pytest.mark.parametrize("service, package, commands", [
-    ("ddiloco-synchronizer", "ddiloco.synchronizer", ["status", "synchronizer"]),
-    ("ddiloco-learner", "ddiloco.learner", ["learner", "status"]),
+    ("ddiloco-synchronizer", "ddiloco.synchronizer", ["certs", "status", "synchronizer"]),
+    ("ddiloco-learner", "ddiloco.learner", ["certs", "learner", "status"]),
 ])
 def test_a_service_image_runs_without_the_lab(tmp_path, wheels, third_party, service, package, commands) -> None:
     parts, _ = _closure(service)

@@ -351,6 +351,10 @@ async def test_prometheus_metrics_and_health_are_served(tmp_path):
         assert 'ddiloco_sync_merges_total{fragment="0"} 1.0' in body
         assert 'ddiloco_sync_fragment_version{fragment="0"} 1.0' in body
         assert 'ddiloco_sync_contributions_total{outcome="merged",reason=""} 1.0' in body
+        # Prometheus naming: counters end in _total, the unit before it
+        received = next(line for line in body.splitlines() if line.startswith("ddiloco_sync_received_bytes_total "))
+        assert float(received.split()[1]) > 0
+        assert "# TYPE ddiloco_sync_sent_bytes_total counter" in body and "\nddiloco_sync_sent_bytes_total " in body
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="ddiloco.v1.Synchronizer"), timeout=5)

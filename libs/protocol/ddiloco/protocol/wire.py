@@ -10,11 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from google.protobuf.message import DecodeError
+
 from ddiloco.fragments.chunking import Chunk, TransferHeader
 from ddiloco.fragments.errors import CodecError, HeaderError
 from ddiloco.fragments.partition import TensorSpec
 from ddiloco.v1 import synchronizer_pb2 as pb
 from ddiloco.v1 import synchronizer_pb2_grpc as pb_grpc
+
+MalformedMessage = DecodeError
+"""Raised while reading a stream whose bytes are not a protobuf message of the expected type."""
 
 SynchronizerServicer = pb_grpc.SynchronizerServicer
 SynchronizerStub = pb_grpc.SynchronizerStub

@@ -16,9 +16,18 @@ class LearnerMetrics:
         self.contributions = Counter("ddiloco_learner_contributions_total", "Contributions by outcome",
                                      ["outcome"], registry=r)
         self.applies = Counter("ddiloco_learner_applies_total", "Global fragments applied", registry=r)
-        self.bytes_sent = Gauge("ddiloco_learner_bytes_sent", "Contribution payload bytes sent", registry=r)
-        self.bytes_received = Gauge("ddiloco_learner_bytes_received", "Global payload bytes received", registry=r)
+        self.bytes_sent = Counter("ddiloco_learner_sent_bytes_total", "Contribution payload bytes sent", registry=r)
+        self.bytes_received = Counter("ddiloco_learner_received_bytes_total", "Global payload bytes received",
+                                      registry=r)
+        self._bytes_seen = (0, 0)
         self.connected = Gauge("ddiloco_learner_connected", "1 while the Sync stream is up", registry=r)
+
+    def count_bytes(self, sent_total: int, received_total: int) -> None:
+        """Bring the byte counters up to the communication thread's running totals."""
+        sent, received = self._bytes_seen
+        self.bytes_sent.inc(max(0, sent_total - sent))
+        self.bytes_received.inc(max(0, received_total - received))
+        self._bytes_seen = (max(sent, sent_total), max(received, received_total))
 
     def serve(self, port: int, addr: str) -> int:
         server, _ = start_http_server(port, addr=addr, registry=self.registry)

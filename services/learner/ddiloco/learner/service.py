@@ -222,8 +222,7 @@ class Learner:
             m.loss.set(loss)
             m.blocked.inc(blocked)
             m.tokens_per_s.set(stats.tokens_per_s)
-            m.bytes_sent.set(self.comm.bytes_sent)
-            m.bytes_received.set(self.comm.bytes_received)
+            m.count_bytes(self.comm.bytes_sent, self.comm.bytes_received)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 self._eval(step)
             if self.comm.draining.is_set():

@@ -23,8 +23,8 @@ class SynchronizerMetrics:
                                      ["outcome", "reason"], registry=r)
         self.staleness = Histogram("ddiloco_sync_staleness_versions", "Versions behind at merge",
                                    buckets=(0, 1, 2, 3, 4, 8, 16), registry=r)
-        self.bytes_in = Counter("ddiloco_sync_bytes_received_total", "Chunk payload bytes received", registry=r)
-        self.bytes_out = Counter("ddiloco_sync_bytes_sent_total", "Chunk payload bytes sent", registry=r)
+        self.bytes_in = Counter("ddiloco_sync_received_bytes_total", "Chunk payload bytes received", registry=r)
+        self.bytes_out = Counter("ddiloco_sync_sent_bytes_total", "Chunk payload bytes sent", registry=r)
         self.version = Gauge("ddiloco_sync_fragment_version", "Current version per fragment", ["fragment"],
                              registry=r)
         self.live_learners = Gauge("ddiloco_sync_live_learners", "Learners counting for quorums", registry=r)

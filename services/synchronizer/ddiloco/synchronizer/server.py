@@ -24,7 +24,6 @@ import asyncio
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.core.logs import get_logger
@@ -143,7 +142,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
             first = await asyncio.wait_for(reader.__anext__(), timeout=engine.cfg.limits.hello_timeout_s)
         except StopAsyncIteration:
             return
-        except DecodeError:
+        except wire.MalformedMessage:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad first message: not a LearnerMessage")
         except TimeoutError:
             await self._refuse(context, "hello_timeout", f"no Hello within {engine.cfg.limits.hello_timeout_s:g}s")
@@ -223,7 +222,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 raw = await asyncio.wait_for(reader.__anext__(), timeout=max(wait_s, 0.0))
             except StopAsyncIteration:
                 break
-            except DecodeError as exc:
+            except wire.MalformedMessage as exc:
                 engine.reject_framing(record, reassembler.in_progress, "protocol", "not a LearnerMessage")
                 raise _Violation(grpc.StatusCode.INVALID_ARGUMENT, "protocol: not a LearnerMessage") from exc
             except TimeoutError:
