@@ -9,6 +9,7 @@ BENCHMARKS = {
     "codec": "ddiloco.lab.bench.codec",
     "merge": "ddiloco.lab.bench.merge",
     "quality": "ddiloco.lab.bench.quality",
+    "wire": "ddiloco.lab.bench.wire",
 }
 
 

@@ -271,7 +271,15 @@ def header_from_pb(m: pb.FragmentHeader) -> TransferHeader:
 
 
 def chunk_to_pb(c: Chunk) -> pb.FragmentChunk:
-    msg = pb.FragmentChunk(transfer_id=c.transfer_id, index=c.index, data=bytes(c.data), crc32c=c.crc32c)
+    return _fill_chunk(pb.FragmentChunk(), c)
+
+
+def _fill_chunk(msg: pb.FragmentChunk, c: Chunk) -> pb.FragmentChunk:
+    """Write ``c`` into ``msg`` in place. Chunk messages are always built in place: passing a
+    filled FragmentChunk to its parent's constructor copies it, and for a 4 MiB chunk that copy
+    took 9 ms, about 60 times the cost of filling the field (see ``ddiloco bench wire``)."""
+    msg.transfer_id, msg.index, msg.crc32c = c.transfer_id, c.index, c.crc32c
+    msg.data = c.data if isinstance(c.data, bytes) else bytes(c.data)
     if c.header is not None:
         msg.header.CopyFrom(header_to_pb(c.header))
     return msg
@@ -284,7 +292,9 @@ def chunk_from_pb(m: pb.FragmentChunk) -> Chunk:
 
 def learner_message_to_pb(msg: LearnerMessage) -> pb.LearnerMessage:
     if isinstance(msg, Chunk):
-        return pb.LearnerMessage(chunk=chunk_to_pb(msg))
+        out = pb.LearnerMessage()
+        _fill_chunk(out.chunk, msg)
+        return out
     if isinstance(msg, Heartbeat):
         return pb.LearnerMessage(heartbeat=pb.Heartbeat(
             step=msg.step, tokens_total=msg.tokens_total, tokens_per_s=msg.tokens_per_s,
@@ -321,7 +331,9 @@ def learner_message_from_pb(m: pb.LearnerMessage) -> LearnerMessage:
 
 def synchronizer_message_to_pb(msg: SynchronizerMessage) -> pb.SynchronizerMessage:
     if isinstance(msg, Chunk):
-        return pb.SynchronizerMessage(chunk=chunk_to_pb(msg))
+        out = pb.SynchronizerMessage()
+        _fill_chunk(out.chunk, msg)
+        return out
     if isinstance(msg, ContributionResult):
         return pb.SynchronizerMessage(result=pb.ContributionResult(
             sequence=msg.sequence, fragment_id=msg.fragment_id, outcome=_OUTCOMES[msg.outcome],

@@ -1,0 +1,288 @@
+"""``ddiloco bench wire``: one fragment learner -> synchronizer -> learner over the Sync stream,
+against raw TCP on loopback, measured in the same run.
+
+What is timed is the protocol's own path, not a toy: the fragment is chunked with the protocol's
+framing (``encode_fragment``: header, CRC-32C per chunk, payload digest), converted to and from
+protobuf by ``ddiloco.protocol.wire``, sent on a ``Sync`` bidirectional stream of a ``grpc.aio``
+server with the synchronizer's channel options, reassembled and verified there
+(``Reassembler``), sent back the same way and verified again, with the learner's channel
+options on the client. "codec on" adds bf16_zstd encoding before the send and decoding after the
+round trip (what a contribution and a merged fragment cost end to end); "codec off" sends fp32.
+
+The baseline moves the same bytes through a plain TCP socket on the same loopback, both ways
+(the server reads everything, then writes it back). Each server runs in a process of its own,
+as the synchronizer does, so client and server do not share an interpreter. ``ratio`` = raw TCP time / gRPC time
+for the fp32 payload (1.0: the stream costs nothing over the socket). Each figure is the best of
+``--repeat`` round trips. Variants of the HTTP/2 settings can be compared with ``--variant``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import pathlib
+import platform
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import torch
+
+from ddiloco.fragments.chunking import Reassembler, Transfer
+from ddiloco.fragments.codec import make_codec
+from ddiloco.fragments.partition import FragmentLayout, partition_tensors
+from ddiloco.fragments.payload import decode_fragment, encode_fragment
+from ddiloco.protocol import wire
+from ddiloco.protocol.client import client_options, message_limit
+from ddiloco.protocol.config import ProtocolConfig
+from ddiloco.synchronizer.config import SynchronizerConfig
+from ddiloco.synchronizer.server import channel_options
+
+MIB = 1 << 20
+
+VARIANTS: dict[str, list[tuple[str, Any]]] = {
+    "default": [],
+    # larger HTTP/2 frames (fewer frame headers and writes per chunk)
+    "frame16m": [("grpc.http2.max_frame_size", 16 * MIB - 1)],
+    # no BDP probing: flow-control windows stay at their initial size
+    "nobdp": [("grpc.http2.bdp_probe", 0)],
+    # bigger write buffer before the transport pushes back on the application
+    "wbuf": [("grpc.http2.write_buffer_size", 16 * MIB)],
+}
+
+
+# -- raw TCP ----------------------------------------------------------------------------------
+
+
+def _recv_exactly(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = sock.recv_into(buf[got:])
+        if n == 0:
+            raise ConnectionError("peer closed early")
+        got += n
+
+
+def _tcp_echo(size: int, ports: Any) -> None:
+    """Child process: accept one connection per round trip, read ``size`` bytes, write them back."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ports.put(listener.getsockname()[1])
+        buf = bytearray(size)
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                try:
+                    _recv_exactly(conn, memoryview(buf))
+                except ConnectionError:
+                    return  # the parent's "done" connection
+                conn.sendall(buf)
+
+
+def tcp_round_trips(payload: bytes, repeat: int) -> float:
+    """Best seconds to send ``payload`` over a loopback socket to another process and back."""
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    child = ctx.Process(target=_tcp_echo, args=(len(payload), ports), daemon=True)
+    child.start()
+    best = float("inf")
+    try:
+        port = ports.get(timeout=60)
+        back = bytearray(len(payload))
+        for _ in range(repeat):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                start = time.perf_counter()
+                sock.sendall(payload)
+                _recv_exactly(sock, memoryview(back))
+                best = min(best, time.perf_counter() - start)
+            if back != payload:
+                raise AssertionError("raw TCP returned other bytes")
+        socket.create_connection(("127.0.0.1", port)).close()
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    return best
+
+
+# -- the Sync stream -------------------------------------------------------------------------
+
+
+class _Echo(wire.SynchronizerServicer):
+    """Reassembles and verifies each transfer like the synchronizer, then sends it back."""
+
+    def __init__(self, max_chunk_bytes: int) -> None:
+        self.max_chunk_bytes = max_chunk_bytes
+
+    async def Sync(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        reassembler = Reassembler(max_chunk_bytes=self.max_chunk_bytes, max_payload_bytes=1 << 34)
+        chunks = []
+        async for raw in request_iterator:
+            chunk = wire.learner_message_from_pb(raw)
+            chunks.append(chunk)
+            if reassembler.feed(chunk) is not None:
+                for c in chunks:
+                    yield wire.synchronizer_message_to_pb(c)
+                chunks = []
+
+
+def _grpc_echo(max_chunk_bytes: int, extra: list[tuple[str, Any]], ports: Any, stop: Any) -> None:
+    """Child process: the echo servicer on a grpc.aio server with the synchronizer's options."""
+
+    async def serve() -> None:
+        sync_cfg = SynchronizerConfig(protocol=ProtocolConfig(max_chunk_bytes=max_chunk_bytes))
+        server = grpc.aio.server(options=channel_options(sync_cfg) + extra)
+        wire.add_synchronizer_servicer(_Echo(max_chunk_bytes), server)
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await server.stop(None)
+
+    asyncio.run(serve())
+
+
+async def _grpc_round_trips(port: int, make_chunks: Callable[[], list[Any]], finish: Callable[[Transfer], None],
+                            max_chunk_bytes: int, extra: list[tuple[str, Any]], repeat: int) -> float:
+    best = float("inf")
+    options = client_options(message_limit(max_chunk_bytes)) + extra
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        stub = wire.SynchronizerStub(channel)
+        for _ in range(repeat):
+            start = time.perf_counter()
+            chunks = make_chunks()
+            call = stub.Sync()
+
+            async def send(call: Any = call, chunks: list[Any] = chunks) -> None:
+                for c in chunks:
+                    await call.write(wire.learner_message_to_pb(c))
+                await call.done_writing()
+
+            sender = asyncio.create_task(send())
+            reassembler = Reassembler(max_chunk_bytes=max_chunk_bytes, max_payload_bytes=1 << 34)
+            transfer = None
+            async for raw in call:
+                transfer = reassembler.feed(wire.synchronizer_message_from_pb(raw))
+                if transfer is not None:
+                    break
+            await sender
+            assert transfer is not None, "nothing came back"
+            finish(transfer)
+            best = min(best, time.perf_counter() - start)
+            call.cancel()
+    return best
+
+
+def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max_chunk_bytes: int,
+              extra: list[tuple[str, Any]], repeat: int, threads: int) -> tuple[float, int]:
+    """(best round-trip seconds, bytes on the wire one way) for one case."""
+    frag = layout[0]
+    codec = make_codec(codec_name, threads=threads)
+    sizes: list[int] = []
+
+    def make_chunks() -> list[Any]:
+        chunks = encode_fragment(values, frag, codec=codec, kind="contribution", version=0, transfer_id=1,
+                                 sequence=1, tokens=1, steps=1, max_chunk_bytes=max_chunk_bytes)
+        sizes.append(sum(len(c.data) for c in chunks))
+        return chunks
+
+    def finish(transfer: Transfer) -> None:
+        decoded = decode_fragment(transfer, layout, zstd_threads=threads)
+        if codec_name == "fp32" and not torch.equal(decoded, values):
+            raise AssertionError("the stream returned other values")
+
+    ctx = multiprocessing.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_grpc_echo, args=(max_chunk_bytes, extra, ports, stop), daemon=True)
+    child.start()
+    try:
+        port = ports.get(timeout=120)
+        seconds = asyncio.run(_grpc_round_trips(port, make_chunks, finish, max_chunk_bytes, extra, repeat))
+    finally:
+        stop.set()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    return seconds, sizes[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco bench wire", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=float, default=64, help="fragment size, MiB of fp32")
+    parser.add_argument("--chunk-mib", default="1,3.9375,15", help="comma-separated chunk sizes in MiB "
+                        "(3.9375 is the protocol's default, 4 MiB - 64 KiB)")
+    parser.add_argument("--variant", default="default", help=f"comma-separated HTTP/2 option sets: "
+                        f"{', '.join(VARIANTS)}")
+    parser.add_argument("--repeat", type=int, default=3, help="round trips per case (the best is kept)")
+    parser.add_argument("--threads", type=int, default=2, help="codec and torch threads")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--out", default="bench-results/wire.json", help="JSON results file")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 MiB, one chunk size, 1 repeat")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.mib, args.chunk_mib, args.repeat = 4, "1", 1
+    try:
+        chunk_sizes = [int(float(v) * MIB) for v in args.chunk_mib.split(",") if v.strip()]
+        variants = [v.strip() for v in args.variant.split(",") if v.strip()]
+    except ValueError:
+        parser.error("--chunk-mib takes numbers, e.g. 1,3.9375")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        parser.error(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(VARIANTS)}")
+    if args.mib <= 0 or args.repeat < 1 or args.threads < 1 or not chunk_sizes or not all(
+            1024 <= c <= 64 * MIB for c in chunk_sizes):
+        parser.error("need --mib > 0, --repeat >= 1, --threads >= 1, chunk sizes in 1 KiB..64 MiB")
+    torch.set_num_threads(args.threads)
+    n = int(args.mib * MIB) // 4
+    values = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.01
+    layout = partition_tensors({"w": values.view(-1)}, 1)
+    fp32_bytes = n * 4
+
+    tcp = tcp_round_trips(values.numpy().tobytes(), args.repeat)
+    tcp_gbs = 2 * fp32_bytes / tcp / 1e9
+    if not args.json:
+        print(f"wire: {fp32_bytes / MIB:.0f} MiB fragment, round trip on loopback, best of {args.repeat}; "
+              f"grpcio {grpc.__version__}")
+        print(f"raw TCP: {tcp * 1e3:.1f} ms, {tcp_gbs:.2f} GB/s")
+        print(f"{'variant':>9} {'chunk MiB':>9} {'codec':>9} {'wire MiB':>9} {'ms':>8} {'frag GB/s':>10} "
+              f"{'wire GB/s':>10} {'vs TCP':>7}")
+    rows = []
+    for variant in variants:
+        for chunk in chunk_sizes:
+            for codec_name in ("fp32", "bf16_zstd"):
+                seconds, wire_bytes = grpc_case(values, layout, codec_name, chunk, VARIANTS[variant], args.repeat,
+                                                args.threads)
+                row = {"variant": variant, "chunk_bytes": chunk, "codec": codec_name, "wire_bytes": wire_bytes,
+                       "seconds": seconds, "fragment_gbs": 2 * fp32_bytes / seconds / 1e9,
+                       "wire_gbs": 2 * wire_bytes / seconds / 1e9, "ratio": tcp / seconds}
+                rows.append(row)
+                if not args.json:
+                    print(f"{variant:>9} {chunk / MIB:>9.2f} {codec_name:>9} {wire_bytes / MIB:>9.1f} "
+                          f"{seconds * 1e3:>8.1f} {row['fragment_gbs']:>10.2f} {row['wire_gbs']:>10.2f} "
+                          f"{row['ratio']:>6.2f}x", flush=True)
+    default_chunk = ProtocolConfig().max_chunk_bytes
+    fp32_rows = [r for r in rows if r["codec"] == "fp32"]
+    at_default = [r for r in fp32_rows if r["variant"] == "default" and r["chunk_bytes"] == default_chunk]
+    result = {
+        "benchmark": "wire", "fragment_bytes": fp32_bytes, "repeat": args.repeat, "threads": args.threads,
+        "grpcio": grpc.__version__, "machine": platform.machine(),
+        "tcp_seconds": tcp, "tcp_gbs": tcp_gbs,
+        "ratio": at_default[0]["ratio"] if at_default else max(r["ratio"] for r in fp32_rows),
+        "best_ratio": max(r["ratio"] for r in fp32_rows), "goal_ratio": 0.5,
+        "ratio_means": "raw TCP round-trip time / gRPC Sync round-trip time, fp32 payload, protocol default "
+                       "chunk and options (1.0: no cost over the socket)",
+        "results": rows,
+    }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"ratio (default chunk and options, fp32) {result['ratio']:.2f}; best {result['best_ratio']:.2f} "
+              f"(goal >= 0.5)\nwrote {out}")
+    return 0

@@ -1,0 +1,35 @@
+"""``ddiloco bench wire`` runs end to end (a real grpc.aio server and a real socket pair on
+loopback), verifies the bytes it got back, and reports its ratio; bad options are refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "wire", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
+    out = tmp_path / "wire.json"
+    proc = _bench("--quick", "--json", "--variant", "default,frame16m", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(proc.stdout)
+    assert printed == json.loads(out.read_text())
+    assert printed["fragment_bytes"] == 4 << 20 and printed["tcp_seconds"] > 0
+    rows = printed["results"]
+    assert [(r["variant"], r["codec"]) for r in rows] == [
+        ("default", "fp32"), ("default", "bf16_zstd"), ("frame16m", "fp32"), ("frame16m", "bf16_zstd")]
+    fp32, zstd = rows[0], rows[1]
+    assert fp32["wire_bytes"] == 4 << 20 and zstd["wire_bytes"] < fp32["wire_bytes"] / 2  # bf16 + zstd
+    assert all(r["seconds"] > 0 and r["ratio"] > 0 for r in rows)
+    assert printed["ratio"] > 0 and printed["goal_ratio"] == 0.5
+
+
+def test_bad_options_are_refused():
+    for args in (["--variant", "turbo"], ["--chunk-mib", "abc"], ["--chunk-mib", "0"], ["--repeat", "0"]):
+        proc = _bench(*args)
+        assert proc.returncode == 2 and "ddiloco bench wire" in proc.stderr, (args, proc.stderr)
