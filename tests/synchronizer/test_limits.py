@@ -109,6 +109,7 @@ async def test_idle_stream_is_closed_and_others_keep_going(tmp_path):
         busy.start_pump(heartbeat_s=0.1)
         assert await _closed_with(idle) == grpc.StatusCode.DEADLINE_EXCEEDED
         assert _refusals(server, "idle_stream_timeout") == 1
+        assert server.engine.ledger.rejected_by_reason.get("timeout", 0) == 0  # nothing was in flight
         await asyncio.sleep(0.6)
         assert server.engine.membership.learners["b"].connected
         for lr in (idle, busy):
@@ -136,6 +137,7 @@ async def test_a_transfer_that_dribbles_is_cut_off(tmp_path):
         finally:
             beat.cancel()
         assert _refusals(server, "transfer_timeout") == 1
+        assert server.engine.ledger.rejected_by_reason["timeout"] == 1  # the partial transfer, answered
         assert server.engine.fragments[0].version == 0
         await a.close()
 

@@ -30,9 +30,10 @@ class Limits:
     """Sync streams open at once; beyond it a new stream is refused (RESOURCE_EXHAUSTED)."""
     max_streams_per_connection: int = 16
     """Concurrent HTTP/2 streams per connection (further calls queue on the client)."""
-    max_transfer_bytes: int = 1024 * 1024 * 1024
-    """Largest transfer (one fragment) a stream may send; once the global layout is known the
-    bound is the largest fragment in fp32 plus framing, if that is smaller (RESOURCE_EXHAUSTED)."""
+    max_transfer_bytes: int = 4 * 1024 * 1024 * 1024
+    """Largest transfer (one fragment) a stream may send before the global layout is known (the
+    genesis upload is fp32: 4 GiB fits a fragment of 1G parameters); once it is known, the bound is
+    the largest fragment in fp32 plus 1 MiB, if that is smaller (RESOURCE_EXHAUSTED)."""
     hello_rate_per_s: float = 2.0
     """Sync streams a single peer address may open per second, sustained (RESOURCE_EXHAUSTED)."""
     hello_burst: int = 64

@@ -226,7 +226,8 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 engine.reject_framing(record, reassembler.in_progress, "protocol", "not a LearnerMessage")
                 raise _Violation(grpc.StatusCode.INVALID_ARGUMENT, "protocol: not a LearnerMessage") from exc
             except TimeoutError:
-                engine.reject_framing(record, reassembler.in_progress, "timeout", "stream too slow")
+                if reassembler.in_progress is not None:  # the partial transfer is answered as rejected
+                    engine.reject_framing(record, reassembler.in_progress, "timeout", "stream too slow")
                 if reassembler.in_progress is not None and wait_s < lim.idle_stream_timeout_s:
                     limit, detail = "transfer_timeout", f"transfer not complete within {lim.transfer_timeout_s:g}s"
                 else:
