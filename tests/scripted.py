@@ -75,6 +75,18 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0, wha
         await asyncio.sleep(0.01)
 
 
+async def genesis_learner(server: SynchronizerServer, learner_id: str = "a", *, pump: bool = True,
+                          **kw) -> ScriptedLearner:
+    """Connect a learner, upload genesis from it, wait for the commit; pumping its stream unless not."""
+    learner = ScriptedLearner(server.port, learner_id, **kw)
+    await learner.connect()
+    await learner.upload_genesis()
+    await eventually(lambda: server.engine.ready, what="genesis commit")
+    if pump:
+        learner.start_pump()
+    return learner
+
+
 class ScriptedLearner:
     _incarnations = itertools.count(1)
 

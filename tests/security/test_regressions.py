@@ -24,18 +24,13 @@ import torch
 
 from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.protocol.client import get_status
-from tests.scripted import ScriptedLearner, eventually, running_server, sync_config
+from tests.scripted import ScriptedLearner, eventually, genesis_learner, running_server, sync_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 async def _genesis(server) -> ScriptedLearner:
-    a = ScriptedLearner(server.port, "a")
-    await a.connect()
-    await a.upload_genesis()
-    await eventually(lambda: server.engine.ready, what="genesis")
-    a.start_pump()
-    return a
+    return await genesis_learner(server)
 
 
 async def test_a_result_after_a_dropped_stream_reaches_the_reconnected_learner(tmp_path):

@@ -18,7 +18,14 @@ import pytest
 from ddiloco.protocol.client import StreamClosed
 from ddiloco.synchronizer.config import Limits
 from ddiloco.synchronizer.limits import StreamLimiter, peer_address
-from tests.scripted import ScriptedLearner, eventually, running_server, sync_config, toy_protocol
+from tests.scripted import (
+    ScriptedLearner,
+    eventually,
+    genesis_learner,
+    running_server,
+    sync_config,
+    toy_protocol,
+)
 
 
 def _refusals(server, limit: str) -> float:
@@ -26,11 +33,7 @@ def _refusals(server, limit: str) -> float:
 
 
 async def _genesis(server, **kw) -> ScriptedLearner:
-    first = ScriptedLearner(server.port, "a", **kw)
-    await first.connect()
-    await first.upload_genesis()
-    await eventually(lambda: server.engine.ready, what="genesis commit")
-    return first
+    return await genesis_learner(server, pump=False, **kw)
 
 
 async def _closed_with(learner: ScriptedLearner, timeout_s: float = 10.0) -> grpc.StatusCode:

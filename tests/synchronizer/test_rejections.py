@@ -21,16 +21,11 @@ from ddiloco.fragments.chunking import Chunk, crc32c
 from ddiloco.fragments.partition import TensorSpec
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import StreamClosed
-from tests.scripted import ScriptedLearner, eventually, running_server, sync_config
+from tests.scripted import ScriptedLearner, eventually, genesis_learner, running_server, sync_config
 
 
 async def _genesis(server) -> ScriptedLearner:
-    a = ScriptedLearner(server.port, "a")
-    await a.connect()
-    await a.upload_genesis()
-    await eventually(lambda: server.engine.ready, what="genesis")
-    a.start_pump()
-    return a
+    return await genesis_learner(server)
 
 
 def _snapshot(server) -> dict[int, torch.Tensor]:
