@@ -355,11 +355,17 @@ async def test_prometheus_metrics_and_health_are_served(tmp_path):
         received = next(line for line in body.splitlines() if line.startswith("ddiloco_sync_received_bytes_total "))
         assert float(received.split()[1]) > 0
         assert "# TYPE ddiloco_sync_sent_bytes_total counter" in body and "\nddiloco_sync_sent_bytes_total " in body
+        assert 'ddiloco_sync_learner_up{learner="a"} 1.0' in body
+        assert 'ddiloco_build_info{python="' in body and 'service="synchronizer"' in body and 'version="0.1.0"' in body
+        await a.close()
+        await asyncio.sleep(0.2)  # the stream's end reaches the synchronizer
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode())
+        assert 'ddiloco_sync_learner_up{learner="a"} 0.0' in body
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="ddiloco.v1.Synchronizer"), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        await a.close()
 
 
 async def test_after_a_restart_merges_wait_for_the_last_merges_learners_to_rejoin(tmp_path):

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from ddiloco.core import build_labels
+
 
 class LearnerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        labels = build_labels("learner")
+        self.build_info = Gauge("ddiloco_build_info", "Build of this process (always 1)", list(labels), registry=r)
+        self.build_info.labels(**labels).set(1)
         self.steps = Counter("ddiloco_learner_steps_total", "Inner steps", registry=r)
         self.tokens = Counter("ddiloco_learner_tokens_total", "Tokens trained on", registry=r)
         self.tokens_per_s = Gauge("ddiloco_learner_tokens_per_second", "Recent throughput", registry=r)

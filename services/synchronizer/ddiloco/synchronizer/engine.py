@@ -87,6 +87,8 @@ class Engine:
         self.pool = ThreadPoolExecutor(cfg.merge_threads, thread_name_prefix="ddiloco-merge")
         self.codec = make_codec(cfg.protocol.global_codec, threads=cfg.codec_threads)
         self.owned = [p for p in range(cfg.protocol.num_fragments) if cfg.owns(p)]
+        self.metrics.watch_learners(
+            lambda: [(lid, self.membership.is_live(r, self.clock())) for lid, r in list(self.membership.learners.items())])
         self.ledger = Ledger(membership=self.membership, metrics=self.metrics, log=self.log,
                              event_log=cfg.event_log, wall=wall)
         self.admission = Admission(ledger=self.ledger, staleness_window=cfg.staleness_window,

@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ddiloco.core import build_labels
 
 _TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _LearnerUp(Collector):
+    """``ddiloco_sync_learner_up{learner}``, read from the membership at each scrape, so a learner
+    the synchronizer has forgotten leaves no stale series behind."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[tuple[str, bool]]] = lambda: ()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("ddiloco_sync_learner_up", "1 while a known learner counts as live, else 0",
+                                   labels=["learner"])
+        for learner_id, live in self.source():
+            family.add_metric([learner_id], 1.0 if live else 0.0)
+        yield family
 
 
 class SynchronizerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        labels = build_labels("synchronizer")
+        self.build_info = Gauge("ddiloco_build_info", "Build of this process (always 1)", list(labels), registry=r)
+        self.build_info.labels(**labels).set(1)
+        self._learner_up = _LearnerUp()
+        r.register(self._learner_up)
         self.merges = Counter("ddiloco_sync_merges_total", "Merges committed", ["fragment"], registry=r)
         self.quorum_size = Histogram("ddiloco_sync_quorum_size", "Contributions per merge",
                                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
@@ -37,6 +63,10 @@ class SynchronizerMetrics:
                                      "Calls refused for their credentials", ["reason"], registry=r)
         self.dropped_results = Counter("ddiloco_sync_dropped_control_messages_total",
                                        "Control messages dropped from full learner queues", registry=r)
+
+    def watch_learners(self, source: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        """``source()`` -> (learner id, live) of every known learner, called at each scrape."""
+        self._learner_up.source = source
 
     def serve(self, port: int, addr: str) -> int:
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
