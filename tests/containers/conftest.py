@@ -1,0 +1,239 @@
+"""A real Docker engine for the container tests, and the images they run.
+
+The engine: the one ``$DOCKER_HOST`` (or ``/var/run/docker.sock``) answers on, else this session
+starts its own ``dockerd --storage-driver=vfs`` on a socket of its own (installing Debian's
+``docker.io`` first when it is missing and this runs as root) and stops it by its pid at the end.
+Its data root stays in the temp folder, so a second run on the same machine reuses the images.
+
+Images:
+- ``hostroot``: an empty root file system (only mount points, the merged-/usr links and a
+  passwd file) that runs this checkout's own virtual environment from read-only bind mounts of
+  ``/usr``, the Python installation and the checkout. It starts in about a second even on vfs
+  (where every container copies its whole image), so the many-container scenarios use it.
+- ``service_images``: the real ``ddiloco-synchronizer`` and ``ddiloco-learner`` images, built
+  from the repository's Dockerfile on a Debian base made here with debootstrap (no image
+  registry is reachable), installing from a wheelhouse made from this checkout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ENGINE_DIR = pathlib.Path(tempfile.gettempdir()) / "ddiloco-dockerd"
+HOSTROOT_TAG = "ddiloco-hostroot:1"
+BASE_TAG = "ddiloco-base:bookworm"
+
+# testcontainers reads these when it is imported: no reaper container (nothing to pull it from),
+# and this host itself looks like a container to it, so say how to reach published ports.
+os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
+os.environ.setdefault("TC_HOST", "127.0.0.1")
+
+
+def _ping(base_url: str) -> bool:
+    import docker
+
+    try:
+        client = docker.DockerClient(base_url=base_url, timeout=5)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+def _install_engine() -> None:
+    if shutil.which("dockerd"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("no Docker engine here, and installing one (apt-get install docker.io) needs root")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    proc = subprocess.run(["apt-get", "install", "-y", "-q", "docker.io"], capture_output=True, text=True,
+                          env=env, timeout=900)
+    if proc.returncode != 0:  # a stale package index: refresh it once
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=600)
+        proc = subprocess.run(["apt-get", "install", "-y", "-q", "docker.io"], capture_output=True, text=True,
+                              env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    """DOCKER_HOST of a running engine (started here when none runs)."""
+    for url in filter(None, [os.environ.get("DOCKER_HOST"), "unix:///var/run/docker.sock"]):
+        if _ping(url):
+            os.environ["DOCKER_HOST"] = url
+            yield url
+            return
+    _install_engine()
+    ENGINE_DIR.mkdir(parents=True, exist_ok=True)
+    url = f"unix://{ENGINE_DIR}/docker.sock"
+    log = open(ENGINE_DIR / "dockerd.log", "ab")  # noqa: SIM115 - open for the engine's whole life
+    proc = subprocess.Popen(
+        ["dockerd", "--storage-driver=vfs", "--host", url, "--data-root", str(ENGINE_DIR / "data"),
+         "--exec-root", str(ENGINE_DIR / "exec"), "--pidfile", str(ENGINE_DIR / "dockerd.pid")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not _ping(url):
+            assert proc.poll() is None, (ENGINE_DIR / "dockerd.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "dockerd did not answer within 90 s"
+            time.sleep(0.5)
+        os.environ["DOCKER_HOST"] = url
+        yield url
+    finally:
+        os.environ.pop("DOCKER_HOST", None)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def docker_client(docker_engine):
+    import docker
+
+    client = docker.DockerClient(base_url=docker_engine, timeout=600)
+    yield client
+    client.close()
+
+
+def _hostroot_tar() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        def add_dir(name: str, mode: int = 0o755) -> None:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, mode
+            tar.addfile(info)
+
+        def add_file(name: str, text: str) -> None:
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+
+        for d in ("usr", "etc", "proc", "sys", "dev", "run", "var", "home", "state", "events", "opt"):
+            add_dir(d)
+        add_dir("root", 0o700)
+        add_dir("tmp", 0o1777)
+        add_dir("var/tmp", 0o1777)
+        for link, target in (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"), ("sbin", "usr/sbin")):
+            info = tarfile.TarInfo(link)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+        add_file("etc/passwd", "root:x:0:0:root:/root:/bin/sh\nddiloco:x:10001:10001::/tmp:/bin/sh\n")
+        add_file("etc/group", "root:x:0:\nddiloco:x:10001:\n")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def hostroot_image(docker_client) -> str:
+    try:
+        docker_client.images.get(HOSTROOT_TAG)
+    except Exception:
+        repo, tag = HOSTROOT_TAG.split(":")
+        docker_client.api.import_image_from_data(_hostroot_tar(), repository=repo, tag=tag)
+        docker_client.images.get(HOSTROOT_TAG)
+    return HOSTROOT_TAG
+
+
+def hostroot_mounts() -> dict[str, dict[str, str]]:
+    """Bind mounts (docker-py ``volumes=``) that make this checkout's venv run in ``hostroot``."""
+    mounts = {"/usr": {"bind": "/usr", "mode": "ro"}}
+    for path in {pathlib.Path(sys.base_prefix).resolve(), ROOT}:
+        if not str(path).startswith("/usr/"):
+            mounts[str(path)] = {"bind": str(path), "mode": "ro"}
+    return mounts
+
+
+def hostroot_command(*args: str) -> list[str]:
+    """The ``ddiloco`` command line of this checkout, for a ``hostroot`` container."""
+    return [str(ROOT / ".venv" / "bin" / "python"), "-m", "ddiloco.core.cli", *args]
+
+
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    for rel in ("Dockerfile", ".dockerignore"):
+        h.update((ROOT / rel).read_bytes())
+    for top in ("libs", "services"):
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and ".egg-info" not in str(path) \
+                    and "build" not in path.relative_to(ROOT).parts:
+                h.update(str(path.relative_to(ROOT)).encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _build_base(client) -> None:
+    try:
+        client.images.get(BASE_TAG)
+        return
+    except Exception:
+        pass
+    if not shutil.which("debootstrap"):
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            pytest.skip("building the base image needs debootstrap (apt-get install debootstrap, as root)")
+        proc = subprocess.run(["apt-get", "install", "-y", "-q", "debootstrap"], capture_output=True, text=True,
+                              env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run(["bash", str(ROOT / "docker" / "build-base.sh"), BASE_TAG], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def service_images(docker_client) -> dict[str, str]:
+    """{"synchronizer": tag, "learner": tag} of the real images, built from this checkout."""
+    digest = _sources_digest()
+    tags = {t: f"ddiloco-{t}:test-{digest}" for t in ("synchronizer", "learner")}
+    try:
+        for tag in tags.values():
+            docker_client.images.get(tag)
+        return tags
+    except Exception:
+        pass
+    _build_base(docker_client)
+    with tempfile.TemporaryDirectory(prefix="ddiloco-image-") as tmp:
+        ctx = pathlib.Path(tmp)
+        for rel in ("Dockerfile", ".dockerignore"):
+            shutil.copy2(ROOT / rel, ctx / rel)
+        ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "*.pyc")
+        for top in ("libs", "services"):
+            shutil.copytree(ROOT / top, ctx / top, ignore=ignore)
+        wheels = ctx / "docker" / "wheels"
+        wheels.mkdir(parents=True)
+        torch_version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__.split('+')[0])"],
+                                       capture_output=True, text=True, check=True).stdout.strip()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "-w", str(wheels), f"torch=={torch_version}",
+             "setuptools>=69", "wheel", *(str(ctx / p) for p in (
+                 "libs/core", "libs/fragments", "libs/protocol", "libs/algorithm",
+                 "services/synchronizer", "services/learner"))],
+            capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for target, tag in tags.items():
+            try:
+                docker_client.images.build(path=str(ctx), target=target, tag=tag, rm=True, forcerm=True,
+                                           buildargs={"BASE": BASE_TAG, "PIP_OFFLINE": "1",
+                                                      "TORCH_SPEC": f"torch=={torch_version}"})
+            except Exception as exc:  # BuildError carries the log
+                log = "".join(str(chunk.get("stream", "")) for chunk in getattr(exc, "build_log", []) or [])
+                raise AssertionError(f"docker build --target {target} failed: {exc}\n{log[-4000:]}") from exc
+    return tags

@@ -1,0 +1,59 @@
+"""The real images, built from the repository's Dockerfile: each holds only its own service, runs
+as an unprivileged user, and a synchronizer and two learners made from them train and merge on a
+user-defined network, with the synchronizer's state on a named volume that survives its restart."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.containers.fleet import Fleet, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def _ddiloco(*args: str) -> list[str]:
+    return list(args)  # the images' entry point is `ddiloco`
+
+
+def test_each_image_carries_its_own_service_only(docker_client, service_images):
+    for role, other in (("synchronizer", "learner"), ("learner", "synchronizer")):
+        out = docker_client.containers.run(service_images[role], ["--help"], remove=True).decode()
+        commands = out.split("installed commands:")[1].split("\n\n")[0]
+        names = {line.split()[0] for line in commands.strip().splitlines()}
+        assert role in names and other not in names and "run" not in names, out
+        user = docker_client.containers.run(service_images[role], ["-c", "import os; print(os.getuid())"],
+                                            entrypoint="python", remove=True).decode().strip()
+        assert user == "10001"
+
+
+def test_real_images_train_merge_and_keep_state_across_a_restart(docker_client, service_images, tmp_path):
+    fleet = Fleet(docker_client, service_images, {}, _ddiloco, tmp_path)
+    try:
+        fleet.start_synchronizer()
+        for i in range(2):
+            fleet.start_learner(f"learner-{i}")
+        t0 = time.time()
+        for i in range(2):
+            wait_for(f"learner-{i} in a merge", lambda i=i: fleet.merges_with(f"learner-{i}", t0), 300)
+        before = {int(f["fragment_id"]): int(f["version"]) for f in fleet.status()["fragments"]}
+
+        fleet.containers["synchronizer"].restart(timeout=30)  # state on the named volume, written as uid 10001
+        t = time.time()
+        after = wait_for("the restarted synchronizer answering", lambda: (fleet.status() or {}).get("fragments"), 120)
+        assert all(int(f["version"]) >= before[int(f["fragment_id"])] for f in after), (before, after)
+        for i in range(2):
+            wait_for(f"learner-{i} merging after the restart", lambda i=i: fleet.merges_with(f"learner-{i}", t), 180)
+
+        for i in range(2):
+            c = fleet.containers[f"learner-{i}"]
+            c.stop(timeout=60)
+            c.reload()
+            assert c.attrs["State"]["ExitCode"] == 0, fleet.logs(f"learner-{i}")
+        fleet.containers["synchronizer"].stop(timeout=30)
+        result = fleet.check(t0)
+        assert result["versions_monotonic"], result["version_problems"]
+        assert result["unaccounted_contributions"] == 0, result
+    finally:
+        fleet.close()
