@@ -202,13 +202,25 @@ def test_late_learner_fetches_state_and_contributes(tmp_path):
             assert first.poll() is None, "first learner ended before the late one joined"
             assert time.monotonic() < deadline + 60
             time.sleep(0.1)
-        late = learner(1, 30)
+        late = learner(1, 100_000)  # the same run's length: it goes on from the fleet's step
         procs.append(late)
-        assert late.wait(timeout=120) == 0
-        log = load_jsonl(tmp_path / "learner-1.jsonl")
+
+        def late_log() -> list[dict]:
+            path = tmp_path / "learner-1.jsonl"
+            return load_jsonl(path) if path.exists() else []
+
+        late_deadline = time.monotonic() + 120
+        while not any(e["event"] == "result" and e["outcome"] == "merged" for e in late_log()):
+            assert late.poll() is None, "late learner ended before a merged contribution"
+            assert time.monotonic() < late_deadline, "late learner never contributed"
+            time.sleep(0.2)
+        late.send_signal(signal.SIGTERM)
+        assert late.wait(timeout=60) == 0
+        log = late_log()
         start = next(e for e in log if e["event"] == "start")
         assert start["genesis"] is False and max(start["versions"].values()) > 0, "joined from fetched state"
-        assert any(e["event"] == "result" and e["outcome"] == "merged" for e in log)
+        first_step = next(e["step"] for e in log if e["event"] == "step")
+        assert start["start_step"] >= 8 and first_step == start["start_step"] + 1, "starts at the fleet's step"
         first.send_signal(signal.SIGTERM)  # drains: stops after the current step
         assert first.wait(timeout=60) == 0
     finally:

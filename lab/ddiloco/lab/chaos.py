@@ -2,11 +2,12 @@
 
 A ``FaultPlan`` is a list of events, each due at a time (``at_s``: seconds after every learner
 has started training) or at a step (``at_step``: once the target learner, or for faults without
-a target the most advanced learner, has completed that many inner steps; steps do not depend on
+a target the most advanced learner, has reached that inner step; steps do not depend on
 how fast this machine happens to be):
 
 - ``kill``: SIGKILL a learner; with ``restart_after_s`` it is started again (same id, or a new one
-  with ``new_id``) and runs the steps it had left;
+  with ``new_id``) and goes on from the fleet's step to the run's end (``train.resume: fleet``;
+  with ``none`` it runs the steps it had left from step 1);
 - ``stop``: SIGSTOP a learner for ``duration_s`` then SIGCONT (a straggler / frozen host);
 - ``kill_synchronizer``: SIGKILL the synchronizer, restart it after ``restart_after_s`` on the same
   state dir and port (learners reconnect by themselves);

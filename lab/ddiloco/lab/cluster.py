@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+import yaml
+
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
 from ddiloco.lab.event_logs import Tail
@@ -52,7 +54,12 @@ class LocalCluster:
         self.driver: ChaosDriver | None = None
         self._tail_lock = threading.Lock()
         self._tails: dict[str, Tail] = {}
-        self._last_step: dict[str, dict[int, int]] = {}
+        self._step_span: dict[str, dict[int, tuple[int, int]]] = {}
+        """Per learner, per incarnation: (first step, last step) it ran (steps are the fleet's,
+        so a learner that joined late starts past 1)."""
+        doc = yaml.safe_load(cfg_path.read_text()) or {}
+        self.resume_from_fleet = ((doc.get("train") or {}).get("resume", "fleet") == "fleet")
+        """A learner started late goes on from the fleet's step to ``steps`` (train.resume)."""
         (out / "learners").mkdir(parents=True, exist_ok=True)
         (out / "logs").mkdir(exist_ok=True)
 
@@ -98,12 +105,15 @@ class LocalCluster:
             proxy.start()
         return f"127.0.0.1:{proxy.port}"
 
-    def start_learner(self, lid: str, steps: int | None = None) -> None:
+    def start_learner(self, lid: str, steps: int | None = None, *, initial: bool = False) -> None:
+        """``initial``: one of the run's first learners, started together: each runs every step
+        from 1 (the run is compared with others at equal tokens), however late its process joins."""
         i = self.index.setdefault(lid, len(self.index))
         shards = max(self.n, len(self.index))
         self._spawn(lid, [*_cli(), "learner", "--synchronizer", self.learner_target(lid), "--learner-id", lid,
                           "--config", str(self.cfg_path), "--shard", str(i % shards), "--num-shards", str(shards),
                           "--threads", str(self.threads), "--steps", str(steps or self.steps),
+                          *(["--resume", "none"] if initial else []),
                           "--event-log", str(self.out / "learners" / f"{lid}.jsonl"),
                           *(["--speed", str(self.speeds[lid])] if lid in self.speeds else [])])
 
@@ -113,21 +123,26 @@ class LocalCluster:
     def alive_learners(self) -> list[str]:
         return [lid for lid in self.learners() if self.procs[lid].poll() is None]
 
-    def steps_done(self, lid: str) -> int:
-        """Steps ``lid`` completed over all its incarnations (read on from its event log)."""
+    def _spans(self, lid: str) -> dict[int, tuple[int, int]]:
         with self._tail_lock:
             tail = self._tails.setdefault(lid, Tail(self.out / "learners" / f"{lid}.jsonl"))
-            last = self._last_step.setdefault(lid, {})
+            spans = self._step_span.setdefault(lid, {})
             for e in tail.read():
                 if e.get("event") == "step":
-                    last[e["incarnation"]] = e["step"]
-            return sum(last.values())
+                    first, _ = spans.get(e["incarnation"], (e["step"], e["step"]))
+                    spans[e["incarnation"]] = (first, e["step"])
+            return dict(spans)
+
+    def steps_done(self, lid: str) -> int:
+        """Steps ``lid`` completed over all its incarnations (read on from its event log)."""
+        return sum(last - first + 1 for first, last in self._spans(lid).values())
 
     def _progress(self, lid: str) -> int:
-        """Steps ``lid`` completed; "" : the most advanced learner's."""
+        """The step ``lid`` reached (a learner that joined late counts from the fleet's step it
+        started at); "" : the most advanced learner's."""
         if lid:
-            return self.steps_done(lid)
-        return max((self.steps_done(other) for other in self.learners()), default=0)
+            return max((last for _, last in self._spans(lid).values()), default=0)
+        return max((self._progress(other) for other in self.learners()), default=0)
 
     def finished(self) -> bool:
         with self.lock:
@@ -197,7 +212,10 @@ class LocalCluster:
         if remaining <= 0:
             return
         new = f"learner-{len(self.index)}" if e.new_id else e.target
-        self._restart_later(e.restart_after_s, lambda: self.start_learner(new, remaining))
+        # resuming from the fleet, it goes on from the fleet's step to the run's end; else it runs
+        # the steps it had left from step 1
+        steps = self.steps if self.resume_from_fleet else remaining
+        self._restart_later(e.restart_after_s, lambda: self.start_learner(new, steps))
 
     def _stop(self, e: FaultEvent) -> None:
         proc = self._proc(e.target)

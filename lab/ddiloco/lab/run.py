@@ -51,7 +51,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         cluster.start_synchronizer()
         curve.start()
         for i in range(n):
-            cluster.start_learner(f"learner-{i}")
+            cluster.start_learner(f"learner-{i}", initial=True)
         joined: set[str] = set()
         chaos_started_t: float | None = None
         tails: dict[str, Tail] = {}

@@ -55,6 +55,13 @@ class TrainConfig:
     """Batches per evaluation."""
     seed: int = 0
     """Model initialisation seed (must be the same on every learner: it is the genesis model)."""
+    resume: Literal["fleet", "none"] = "fleet"
+    """Where a learner that joins a fleet already training (a restart, a new pod, a scale-up)
+    starts its step count, and so its learning-rate schedule and its place in the fragment
+    schedule: "fleet" = at the fleet's progress (the fleet's step, or the fragments' versions x
+    sync_every, whichever is further), running on to ``steps``; its fresh optimizer state ramps
+    in over ``warmup_steps`` at the schedule's rate there. "none" = at step 1 with the full
+    warm-up, for ``steps`` steps of its own. The learner that uploads the genesis model starts at 1."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.lr <= 0 or self.warmup_steps < 0 or self.grad_clip < 0:

@@ -26,14 +26,22 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for 1-based ``step``: linear warm-up, then cosine to min_lr_ratio * lr."""
+def lr_at(step: int, cfg: TrainConfig, resumed_at: int = 0) -> float:
+    """Learning rate for 1-based ``step``: linear warm-up, then cosine to min_lr_ratio * lr.
+
+    ``resumed_at``: the step a learner joined a training fleet at (0: it started the run). The
+    schedule goes on from there, and the fresh optimizer state ramps in linearly over
+    ``warmup_steps`` (Adam's first updates are as large as the rate whatever the gradient)."""
     if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        rate = cfg.lr * step / cfg.warmup_steps
+    else:
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        floor = cfg.lr * cfg.min_lr_ratio
+        rate = floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if resumed_at > 0 and cfg.warmup_steps:
+        rate *= min(1.0, (step - resumed_at) / cfg.warmup_steps)
+    return rate
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -56,12 +64,18 @@ class InnerLoop:
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else nullcontext())
         self.step_count = 0
+        self.resumed_at = 0
+        """The step this learner joined a training fleet at (0: it started the run)."""
+
+    def resume_at(self, step: int) -> None:
+        """Continue the schedule from ``step`` (the next step is ``step + 1``)."""
+        self.step_count = self.resumed_at = step
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         """One optimizer step; returns (loss, seconds)."""
         t0 = time.perf_counter()
         self.step_count += 1
-        lr = lr_at(self.step_count, self.cfg)
+        lr = lr_at(self.step_count, self.cfg, self.resumed_at)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()

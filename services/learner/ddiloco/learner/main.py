@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=int, dest="shard_index", help="data shard index")
     parser.add_argument("--num-shards", type=int, dest="num_shards", help="number of data shards")
     parser.add_argument("--threads", type=int, help="torch threads")
+    parser.add_argument("--resume", choices=("fleet", "none"),
+                        help="joining a fleet already training: start at its step (fleet, the default) "
+                             "or at step 1 (none); overrides train.resume")
     parser.add_argument("--speed", type=float, help="experiments: run at this fraction of full speed (0 < S <= 1)")
     parser.add_argument("--event-log", help="append one JSON line per event (steps, sends, results, applies, evals) here")
     parser.add_argument("--summary-file", help="write the final summary JSON here")
@@ -39,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                                   token_file=args.token_file)
         if cfg.token is None and cfg.token_file is None and os.environ.get(TOKEN_ENV):
             cfg = dataclasses.replace(cfg, token=os.environ[TOKEN_ENV])
-        if args.steps is not None or args.threads is not None:
-            train = dataclasses.replace(cfg.train, **{k: v for k, v in (("steps", args.steps),
-                                                                         ("threads", args.threads)) if v is not None})
+        overrides = {k: v for k, v in (("steps", args.steps), ("threads", args.threads), ("resume", args.resume))
+                     if v is not None}
+        if overrides:
+            train = dataclasses.replace(cfg.train, **overrides)
             cfg = dataclasses.replace(cfg, train=train)
     except ValueError as exc:
         print(f"ddiloco learner: {exc}", file=sys.stderr)

@@ -47,6 +47,15 @@ from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.model import build_model, model_fingerprint, num_params
 
 
+def fleet_progress(fleet_step: int, versions: dict[int, int], sync_every: int, steps: int) -> int:
+    """The step a learner joining a fleet that is already training starts after: the further of
+    the synchronizer's fleet step (its clock; it starts again from 0 when the synchronizer
+    restarts) and the durable progress in the fragments' versions (each version is one round of
+    ``sync_every`` steps; the least advanced fragment counts), at most ``steps``."""
+    durable = min(versions.values(), default=0) * sync_every
+    return max(0, min(steps, max(int(fleet_step), durable)))
+
+
 @dataclass
 class SentState:
     step: int
@@ -106,6 +115,8 @@ class Learner:
         self.sequence = itertools.count(1)
         self.tokens = 0
         self.blocked_s = 0.0
+        self.start_step = 0
+        """The step this learner joined the fleet at (its first step is the next one)."""
         self.learners_wait = preset(cfg.protocol.mode).learners_wait
         """Modes where learners wait for merges send at their own due steps (ddiloco.core.modes)."""
         self.poisoned = threading.Event()
@@ -161,12 +172,17 @@ class Learner:
                 scatter(self.layout[p], values, self.params)
                 self.base[p] = values.clone()
                 self.version[p] = version
-        self.events.emit("start", num_fragments=self.layout.num_fragments,
+            if self.cfg.train.resume == "fleet":
+                self.start_step = fleet_progress(self.comm.join.fleet_step, self.version,
+                                                 self.cfg.protocol.sync_every, self.cfg.train.steps)
+                self.inner.resume_at(self.start_step)
+        self.events.emit("start", start_step=self.start_step, num_fragments=self.layout.num_fragments,
                          fragment_sizes=[f.numel for f in self.layout], params=num_params(self.inner.model),
                          genesis=self.comm.join.genesis, versions=dict(self.version), shard=self.shard_index,
                          mode=self.cfg.protocol.mode, apply_policy=self.cfg.apply_policy, speed=self.cfg.speed,
                          config=to_dict(self.cfg, redact=True))
         self.log.info("joined", genesis=self.comm.join.genesis, params=num_params(self.inner.model),
+                      start_step=self.start_step,
                       fragments=self.layout.num_fragments, shard=f"{self.shard_index}/{self.num_shards}")
         return True
 
@@ -179,12 +195,19 @@ class Learner:
             return {"learner_id": self.learner_id, "steps": 0, "tokens": 0, "eval_loss": None, "wall_s": 0.0,
                     "blocked_s": 0.0}
         cfg = self.cfg
+        if self.start_step >= cfg.train.steps:
+            self.log.info("the fleet has trained all its steps; nothing left to do", fleet_step=self.start_step,
+                          steps=cfg.train.steps)
+            self.comm.stop("finished")
+            self.events.close()
+            return {"learner_id": self.learner_id, "steps": 0, "tokens": 0, "eval_loss": None, "wall_s": 0.0,
+                    "blocked_s": 0.0, "start_step": self.start_step}
         batch_tokens = cfg.data.batch_size * cfg.data.context
-        step = 0
+        step = self.start_step
         started = time.time()
         pace = StepPace()
         last_end = time.perf_counter()
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(self.start_step + 1, cfg.train.steps + 1):
             if self.poisoned.is_set():
                 self.poisoned.clear()
                 self._poison(step)
@@ -211,7 +234,7 @@ class Learner:
             stats = self.comm.stats
             stats.step, stats.tokens_total = step, self.tokens
             stats.step_time_s = pace.update(now - last_end)  # waits for merges count: the fleet paces on them
-            if step == 2:  # the first step's time is mostly warm-up; from the second the pace is known
+            if step == self.start_step + 2:  # the first step's time is mostly warm-up; from the second the pace is known
                 self.comm.beat_now()
             stats.tokens_per_s = batch_tokens / stats.step_time_s if stats.step_time_s else 0.0
             last_end = now
@@ -244,8 +267,8 @@ class Learner:
         self.comm.stop("finished" if not self.comm.draining.is_set() else "drained")
         self.events.emit("flushed", all_answered=answered, pending_s=time.time() - started - wall)
         self.events.close()
-        return {"learner_id": self.learner_id, "steps": step, "tokens": self.tokens, "eval_loss": final,
-                "wall_s": wall, "blocked_s": self.blocked_s}
+        return {"learner_id": self.learner_id, "steps": step - self.start_step, "tokens": self.tokens,
+                "eval_loss": final, "wall_s": wall, "blocked_s": self.blocked_s, "start_step": self.start_step}
 
     # -- healing --------------------------------------------------------------------------
 
