@@ -13,6 +13,10 @@ Images:
 - ``service_images``: the real ``ddiloco-synchronizer`` and ``ddiloco-learner`` images, built
   from the repository's Dockerfile on a Debian base made here with debootstrap (no image
   registry is reachable), installing from a wheelhouse made from this checkout.
+
+The engine is driven with the Docker SDK for Python (``docker``): the scenarios need kill, pause,
+restart and network disconnect on the containers themselves, and every container, network and
+volume a test makes is removed by that test. Ports are published on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -35,13 +39,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENGINE_DIR = pathlib.Path(tempfile.gettempdir()) / "ddiloco-dockerd"
 HOSTROOT_TAG = "ddiloco-hostroot:1"
 BASE_TAG = "ddiloco-base:bookworm"
-
-# testcontainers reads these when it is imported: no reaper container (nothing to pull it from),
-# and this host itself looks like a container to it, so say how to reach published ports.
-os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
-os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "docker_host")
-os.environ.setdefault("TC_HOST", "127.0.0.1")
-
 
 def _ping(base_url: str) -> bool:
     import docker
