@@ -1,6 +1,7 @@
-"""The real images, built from the repository's Dockerfile: each holds only its own service, runs
-as an unprivileged user, and a synchronizer and two learners made from them train and merge on a
-user-defined network, with the synchronizer's state on a named volume that survives its restart."""
+"""The real images, built from the repository's Dockerfile: a synchronizer and two learners made
+from them train and merge on a user-defined network, each container holds only its own service and
+runs as an unprivileged user, and the synchronizer's state on a named volume (written as that user)
+survives its restart."""
 
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ def _ddiloco(*args: str) -> list[str]:
     return list(args)  # the images' entry point is `ddiloco`
 
 
-def test_each_image_carries_its_own_service_only(docker_client, service_images):
-    for role, other in (("synchronizer", "learner"), ("learner", "synchronizer")):
-        out = docker_client.containers.run(service_images[role], ["--help"], remove=True).decode()
-        commands = out.split("installed commands:")[1].split("\n\n")[0]
-        names = {line.split()[0] for line in commands.strip().splitlines()}
-        assert role in names and other not in names and "run" not in names, out
-        user = docker_client.containers.run(service_images[role], ["-c", "import os; print(os.getuid())"],
-                                            entrypoint="python", remove=True).decode().strip()
-        assert user == "10001"
+def _own_service_only(container, role: str, other: str) -> None:
+    """What a running container of the image holds: its service's command and not the other's,
+    no lab, and it runs as the unprivileged user."""
+    code, out = container.exec_run(["ddiloco", "--help"])
+    assert code == 0, out
+    commands = out.decode().split("installed commands:")[1].split("\n\n")[0]
+    names = {line.split()[0] for line in commands.strip().splitlines()}
+    assert role in names and other not in names and "run" not in names, names
+    code, out = container.exec_run(["python", "-c", "import os; print(os.getuid(), os.getgid())"])
+    assert code == 0 and out.decode().split() == ["10001", "10001"], out
 
 
 def test_real_images_train_merge_and_keep_state_across_a_restart(docker_client, service_images, tmp_path):
@@ -37,6 +39,8 @@ def test_real_images_train_merge_and_keep_state_across_a_restart(docker_client, 
         t0 = time.time()
         for i in range(2):
             wait_for(f"learner-{i} in a merge", lambda i=i: fleet.merges_with(f"learner-{i}", t0), 300)
+        _own_service_only(fleet.containers["synchronizer"], "synchronizer", "learner")
+        _own_service_only(fleet.containers["learner-0"], "learner", "synchronizer")
         before = {int(f["fragment_id"]): int(f["version"]) for f in fleet.status()["fragments"]}
 
         fleet.containers["synchronizer"].restart(timeout=30)  # state on the named volume, written as uid 10001
