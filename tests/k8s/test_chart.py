@@ -482,16 +482,26 @@ def test_a_release_named_ddiloco_is_not_named_twice(render: Callable[..., Docs])
     assert flag(container(learner_deployments(docs)[0])["args"], "--synchronizer") == "ddiloco-synchronizer:7000"
 
 
-def _selectors(node: Any) -> Iterator[dict[str, Any]]:
-    """Every Chaos Mesh pod selector (a mapping with labelSelectors) in an experiment, nested or not."""
+def _mappings(node: Any, wanted: Callable[[dict[str, Any]], bool]) -> Iterator[dict[str, Any]]:
+    """Every mapping in ``node`` (nested at any depth) for which ``wanted`` holds."""
     if isinstance(node, dict):
-        if isinstance(node.get("labelSelectors"), dict):
+        if wanted(node):
             yield node
         for value in node.values():
-            yield from _selectors(value)
+            yield from _mappings(value, wanted)
     elif isinstance(node, list):
         for value in node:
-            yield from _selectors(value)
+            yield from _mappings(value, wanted)
+
+
+def _selectors(node: Any) -> Iterator[dict[str, Any]]:
+    """Every Chaos Mesh pod selector (a mapping with labelSelectors) in an experiment, nested or not."""
+    return _mappings(node, lambda m: isinstance(m.get("labelSelectors"), dict))
+
+
+def _selectors_with_containers(node: Any) -> Iterator[dict[str, Any]]:
+    """Every part of an experiment that names containers next to its pod selector."""
+    return _mappings(node, lambda m: "containerNames" in m and isinstance(m.get("selector"), dict))
 
 
 def test_the_chaos_experiments_select_pods_of_the_chart(render: Callable[..., Docs]) -> None:
@@ -517,17 +527,6 @@ def test_the_chaos_experiments_select_pods_of_the_chart(render: Callable[..., Do
                     if matches(node["selector"]["labelSelectors"], labels):
                         assert set(node["containerNames"]) <= names, f"{path.name}: {node['containerNames']}"
     assert checked
-
-
-def _selectors_with_containers(node: Any) -> Iterator[dict[str, Any]]:
-    if isinstance(node, dict):
-        if "containerNames" in node and isinstance(node.get("selector"), dict):
-            yield node
-        for value in node.values():
-            yield from _selectors_with_containers(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _selectors_with_containers(value)
 
 
 def test_metrics_ports(render: Callable[..., Docs]) -> None:
