@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import threading
 import time
@@ -139,8 +140,11 @@ class ReconnectBackoff:
 class Comm:
     def __init__(self, cfg: LearnerConfig, *, layout: FragmentLayout, model_fingerprint: str, incarnation: int,
                  events: EventLog, held: Callable[[], dict[int, int]],
-                 genesis_values: Callable[[], dict[int, torch.Tensor]]) -> None:
+                 genesis_values: Callable[[], dict[int, torch.Tensor]],
+                 labels: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.labels = dict(labels or {})
+        """Sent in every Hello (the synchronizer shows them in its status; ``model`` names the model)."""
         self.layout = layout
         self.model_fingerprint = model_fingerprint
         self.incarnation = incarnation
@@ -382,7 +386,7 @@ class Comm:
                                          max_chunk_bytes=p.max_chunk_bytes, mode=p.mode,
                                          global_codec=p.global_codec),
             held=self.held() if self.joined else {}, incarnation=self.incarnation,
-            software_version=_version(), labels={"pid": str(__import__("os").getpid())})
+            software_version=_version(), labels={**self.labels, "pid": str(os.getpid())})
 
     async def _join(self, stream: SyncStream, welcome: wire.Welcome) -> None:
         if welcome.state == "genesis_requested":

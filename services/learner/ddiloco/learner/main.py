@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     configure()
     from ddiloco.learner.config import load_learner_config
     from ddiloco.learner.service import Learner, LearnerError
+    from ddiloco.learner.sync import SyncError
     from ddiloco.protocol.credentials import TOKEN_ENV
 
     try:
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         learner = Learner(cfg)
-    except ValueError as exc:  # the model, data and protocol do not fit together
+    except (ValueError, SyncError) as exc:  # the model, data and protocol do not fit together
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: learner.comm.draining.set())

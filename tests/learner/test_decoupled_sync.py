@@ -1,0 +1,223 @@
+"""``DecoupledSync`` around a loop it does not own: misuse errors, then real synchronizer
+processes with in-process and example-script learners (a user-defined GRU and a transformers
+Llama from a local config), healing from a non-finite loss, refusal of a learner whose protocol
+or model disagrees with the fleet, and a learner made of two torchrun ranks (DDP over gloo)
+beside a single-process one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ddiloco.learner.sync import DecoupledSync, SyncError, parameter_fingerprint
+from tests.procs import synchronizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "own_loop.py"
+PROTOCOL = "protocol: {num_fragments: 3, sync_every: 4, mode: decoupled}\n"
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _events(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_misuse_is_a_clear_error_before_anything_connects():
+    model = _mlp()
+    sync = DecoupledSync(model, synchronizer="127.0.0.1:9", fragments=2, sync_every=4)
+    with pytest.raises(SyncError, match="call join"):
+        sync.step(tokens=10)
+    sync.close()
+    with pytest.raises(SyncError, match="no parameters"):
+        DecoupledSync(nn.ReLU(), synchronizer="127.0.0.1:9")
+    with pytest.raises(SyncError, match="unknown key"):
+        DecoupledSync(model, synchronizer="127.0.0.1:9", no_such_setting=1)
+    with pytest.raises(SyncError, match="fragment"):
+        DecoupledSync(model, synchronizer="127.0.0.1:9", fragments=64)
+    with pytest.raises(SyncError, match="synchronizer"):
+        DecoupledSync(model, synchronizer="not an address")
+
+
+def test_the_default_fingerprint_follows_names_shapes_and_the_reference():
+    a, b = _mlp(), _mlp()
+    with torch.no_grad():
+        b[0].weight.add_(1.0)  # weights do not count
+    assert parameter_fingerprint(a) == parameter_fingerprint(b)
+    assert parameter_fingerprint(a, "x:y") != parameter_fingerprint(a)
+    assert parameter_fingerprint(nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 1))) != parameter_fingerprint(a)
+
+
+def _train(sync: DecoupledSync, model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int,
+           nan_at: int | None = None) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.linspace(-1, 1, 8)
+    losses = []
+    start = sync.join()
+    assert start is not None
+    for step in range(start + 1, steps + 1):
+        x = torch.randn(32, 8, generator=gen)
+        loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.05)  # a step of a real model takes time: the synchronizer paces its rounds on it
+        value = float("nan") if step == nan_at else float(loss.detach())
+        losses.append(value)
+        sync.step(tokens=32, loss=value)
+    assert sync.finish()
+    return losses
+
+
+@pytest.mark.slow
+def test_an_in_process_loop_joins_merges_heals_and_a_second_loop_gets_the_global_model(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(PROTOCOL)
+    with synchronizer(tmp_path, "--config", str(cfg), "--quorum", "1") as target:
+        model = _mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        log = tmp_path / "a.jsonl"
+        sync = DecoupledSync(model, optimizer=opt, synchronizer=target, learner_id="loop-a", fragments=3, sync_every=4,
+                             event_log=str(log), join_timeout_s=60.0)
+        losses = _train(sync, model, opt, steps=40, seed=1, nan_at=20)
+        events = _events(log)
+        kinds = [e["event"] for e in events]
+        start = next(e for e in events if e["event"] == "start")
+        assert start["genesis"] is True and start["start_step"] == 0
+        heal = next(e for e in events if e["event"] == "heal")
+        assert heal["step"] == 20 and sorted(heal["fragments"]) == [0, 1, 2] and "non-finite loss" in heal["reason"]
+        assert "apply" in kinds and min(sync.versions.values()) >= 1
+        assert all(math.isfinite(v) for v in losses[21:]) and losses[-1] < losses[0] / 2
+        assert sync.tokens == 40 * 32
+
+        # A second loop joins the fleet: it gets the global model, not its own init.
+        other = _mlp()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.zero_()
+        late = DecoupledSync(other, synchronizer=target, learner_id="loop-b", fragments=3, sync_every=4, steps=40,
+                             join_timeout_s=60.0)
+        try:
+            # a late learner starts at the fleet's progress: at least min(versions) x sync_every
+            start = late.join()
+            assert start is not None and 0 < min(late.versions.values()) * 4 <= start <= 40
+            assert any(p.abs().sum() > 0 for p in other.parameters())
+            # the global versions: at least what loop-a applied (its last sends merged after it finished)
+            assert all(late.versions[f] >= v for f, v in sync.versions.items())
+        finally:
+            late.close()
+
+
+@pytest.mark.slow
+def test_a_learner_whose_protocol_or_model_disagrees_is_refused(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(PROTOCOL)
+    with synchronizer(tmp_path, "--config", str(cfg), "--quorum", "1") as target:
+        first = DecoupledSync(_mlp(), synchronizer=target, learner_id="a", fragments=3, sync_every=4)
+        assert first.join() == 0
+        first.close()
+        for name, model, settings in [("b", _mlp(), {"fragments": 2}),
+                                      ("c", nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 1)), {})]:
+            sync = DecoupledSync(model, synchronizer=target, learner_id=name, join_timeout_s=30.0,
+                                 **{"fragments": 3, "sync_every": 4, **settings})
+            with pytest.raises(SyncError, match="refused"):
+                sync.join()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hf", [False, True], ids=["own-gru", "transformers-llama"])
+def test_the_example_script_trains_two_learners_that_merge(tmp_path, hf):
+    config = tmp_path / "own_loop.yaml"
+    config.write_text("protocol: {num_fragments: 4, sync_every: 5, mode: decoupled}\n")
+    extra: list[str] = []
+    if hf:
+        hf_config = tmp_path / "llama.json"
+        hf_config.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+                                         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                         "num_key_value_heads": 2, "max_position_embeddings": 64}))
+        extra = ["--hf-config", str(hf_config)]
+    with synchronizer(tmp_path, "--config", str(config), "--quorum", "1") as target:
+        procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--synchronizer", target, "--learner-id", f"learner-{i}",
+                                   "--config", str(config), "--steps", "30", "--shard", str(i),
+                                   "--event-log", str(tmp_path / f"{i}.jsonl"),
+                                   "--summary-file", str(tmp_path / f"{i}.json"), *extra],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        try:
+            errs = [p.communicate(timeout=240)[1] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, errs[i][-3000:]
+        summary = json.loads((tmp_path / f"{i}.json").read_text())
+        assert summary["steps"] == 30 and summary["all_answered"]
+        assert math.isfinite(summary["loss"]) and summary["loss"] < math.log(256)
+        applied = [e for e in _events(tmp_path / f"{i}.jsonl") if e["event"] == "apply"]
+        assert applied, f"learner-{i} applied no merged fragment"
+    genesis = [next(e for e in _events(tmp_path / f"{i}.jsonl") if e["event"] == "start")["genesis"] for i in range(2)]
+    assert sorted(genesis) == [False, True]  # one uploaded the genesis model, the other fetched it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_a_two_rank_torchrun_learner_streams_once_and_keeps_its_ranks_identical(tmp_path):
+    config = tmp_path / "own_loop.yaml"
+    config.write_text("protocol: {num_fragments: 4, sync_every: 5, mode: decoupled}\n")
+    common = ["--config", str(config), "--steps", "30", "--no-resume"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with synchronizer(tmp_path, "--config", str(config), "--quorum", "1") as target:
+        single = subprocess.Popen([sys.executable, str(EXAMPLE), "--synchronizer", target, "--learner-id", "learner-1",
+                                   "--shard", "1", "--event-log", str(tmp_path / "single.jsonl"),
+                                   "--summary-file", str(tmp_path / "single.json"), *common],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        ranks = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                  "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(EXAMPLE),
+                                  "--synchronizer", target, "--learner-id", "learner-0", "--shard", "0",
+                                  "--event-log", str(tmp_path / "ranks.jsonl"),
+                                  "--summary-file", str(tmp_path / "ranks.json"), *common],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            errs = {name: p.communicate(timeout=300)[1] for name, p in (("single", single), ("ranks", ranks))}
+        finally:
+            for p in (single, ranks):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert single.returncode == 0, errs["single"][-3000:]
+    assert ranks.returncode == 0, errs["ranks"][-3000:]
+    r0, r1 = (json.loads((tmp_path / f"ranks.json.rank{r}").read_text()) for r in (0, 1))
+    assert r0["world"] == r1["world"] == 2
+    assert r0["params_sha256"] == r1["params_sha256"], "the ranks' parameters diverged"
+    assert r0["versions"] == r1["versions"] and min(r0["versions"].values()) >= 1
+    assert r0["tokens"] == r1["tokens"] == 2 * 30 * 8 * 64  # both ranks' tokens count for the learner
+    events = _events(tmp_path / "ranks.jsonl")  # rank 0's only: the other ranks never connect
+    kinds = [e["event"] for e in events]
+    assert kinds.count("start") == 1 and kinds.count("connect") == 1
+    sends = [e for e in events if e["event"] == "send"]
+    assert len({(e["fragment"], e["sequence"]) for e in sends}) == len(sends) > 0
+    assert all(e["tokens"] % (2 * 8 * 64) == 0 for e in sends)  # each contribution carries both ranks' tokens
+    assert "apply" in kinds
+    merged = [e for e in events if e["event"] == "result" and e.get("outcome") == "merged"]
+    assert merged, "no contribution of the two-rank learner was merged"
+    single_events = _events(tmp_path / "single.jsonl")
+    assert any(e["event"] == "apply" for e in single_events)

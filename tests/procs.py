@@ -1,0 +1,47 @@
+"""Real service processes for tests: a synchronizer on 127.0.0.1:0, stopped by its pid."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+
+def cli(*args: str) -> list[str]:
+    """The command line of ``ddiloco ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "ddiloco.core.cli", *args]
+
+
+@contextlib.contextmanager
+def synchronizer(tmp_path: pathlib.Path, *args: str, timeout_s: float = 60.0,
+                 log: pathlib.Path | None = None) -> Iterator[str]:
+    """Run ``ddiloco synchronizer`` with ``args`` (state dir under ``tmp_path`` unless given);
+    yields its ``HOST:PORT`` once it listens, and stops it (SIGTERM, then SIGKILL) on exit."""
+    ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
+    state = [] if "--state-dir" in args else ["--state-dir", str(tmp_path / "state")]
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cli("synchronizer", "--listen", "127.0.0.1:0", "--ready-file", str(ready), *state, *args),
+                            stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"synchronizer exited with {proc.returncode} before listening")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"synchronizer did not listen within {timeout_s:g}s")
+            time.sleep(0.1)
+        yield f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if log:
+            out.close()  # type: ignore[union-attr]
