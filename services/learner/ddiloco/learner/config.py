@@ -17,7 +17,7 @@ from ddiloco.core.config import STRICT, ConfigError, build, check_sections
 from ddiloco.core.modes import apply_mode
 from ddiloco.fragments.codec import CodecName
 from ddiloco.learner.data import DataConfig
-from ddiloco.learner.model import ModelConfig
+from ddiloco.learner.model import ModelConfig, model_section
 from ddiloco.protocol.client import check_target
 from ddiloco.protocol.config import ProtocolConfig
 from ddiloco.protocol.credentials import Credentials, read_token
@@ -204,7 +204,7 @@ def learner_config(document: dict[str, Any], **overrides: Any) -> LearnerConfig:
             raise ConfigError(f"learner.{shared}: set it in the top-level {shared} section (shared with the "
                               "synchronizer and every learner)")
         if shared in doc:
-            section[shared] = doc[shared]
+            section[shared] = model_section(doc[shared]) if shared == "model" else doc[shared]
     section.update({k: v for k, v in overrides.items() if v is not None})
     return build(LearnerConfig, section, "learner")
 

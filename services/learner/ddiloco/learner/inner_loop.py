@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ddiloco.learner.config import TrainConfig
+from ddiloco.learner.model import lm_forward
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,7 +82,7 @@ class InnerLoop:
         self.model.train()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with self.autocast:
-            _, loss = self.model(x, y)
+            _, loss = lm_forward(self.model, x, y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip > 0:
@@ -102,7 +103,7 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     total, count = 0.0, 0
     for x, y in batches:
         x, y = x.to(device), y.to(device)
-        logits, _ = model(x)
+        logits, _ = lm_forward(model, x)
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1),
                                                  reduction="sum")
         total += float(loss)

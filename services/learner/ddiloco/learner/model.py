@@ -25,6 +25,17 @@ Design decisions:
   perfectly balanced) is averaged over layers and added to the cross-entropy with weight
   ``aux_loss_coef``.
 
+Models defined outside this package need no registration: ``kind: ref`` with
+``ref: "package.module:factory"`` imports that function and calls it with ``options`` as keyword
+arguments (the config may also say just ``model: "package.module:factory"``), and ``kind: hf``
+builds a Hugging Face ``transformers`` causal LM from a *local* config (``ref``: a
+``config.json`` or a folder holding one; ``options`` override its fields) with random weights;
+nothing is downloaded. Both are built under a fixed torch seed, so every learner starts from the
+same weights (the first learner's are the genesis model anyway). They are called as
+``model(inputs)`` and must return the logits ``[B, T, vocab]`` (a tensor, the first element of a
+tuple, or an object with ``.logits`` as ``transformers`` returns); the loss is the cross-entropy
+against the targets (``lm_forward``).
+
 Plugging in another kind of model (e.g. a vision model): write a builder
 ``def build_vit(cfg: ModelConfig, seed: int) -> nn.Module`` and register it in ``MODEL_KINDS``
 under a new ``kind``. The learner only relies on this contract:
@@ -43,9 +54,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import math
+import os
+import re
 from collections.abc import Callable
+from dataclasses import field
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,10 +102,21 @@ class ModelConfig:
     """MoE only: experts each token is routed to, 1 <= top_k <= n_experts."""
     aux_loss_coef: float = 0.01
     """MoE only: weight of the load-balancing loss added to the cross-entropy."""
+    ref: str = ""
+    """kind ``ref``: ``package.module:factory``, an importable function returning an
+    ``nn.Module``; kind ``hf``: a local Hugging Face config (``config.json`` or a folder with one)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """kind ``ref``: keyword arguments of the factory; kind ``hf``: overrides of the config's fields."""
 
     def __post_init__(self) -> None:
         if self.kind not in MODEL_KINDS:
             raise ValueError(f"unknown model kind {self.kind!r}; known kinds: {sorted(MODEL_KINDS)}")
+        if self.kind == "ref" and not _REF.fullmatch(self.ref):
+            raise ValueError(f"model kind 'ref' needs ref: 'package.module:factory', got {self.ref!r}")
+        if self.kind == "hf" and not self.ref:
+            raise ValueError("model kind 'hf' needs ref: a local config.json or a folder holding one")
+        if self.kind not in ("ref", "hf") and (self.ref or self.options):
+            raise ValueError(f"ref and options are for model kinds 'ref' and 'hf', not {self.kind!r}")
         for name in ("vocab_size", "context", "d_model", "n_layer", "n_head", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -268,9 +296,110 @@ def _build_gpt(cfg: ModelConfig, seed: int) -> nn.Module:
     return model
 
 
+_REF = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+def resolve_ref(ref: str) -> Callable[..., Any]:
+    """The object ``package.module:attr.path`` names, with a clear error when it does not exist."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"model ref {ref!r}: cannot import {module_name!r} ({exc})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"model ref {ref!r}: module {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model ref {ref!r} is not callable")
+    return obj
+
+
+def _seeded(seed: int, make: Callable[[], Any]) -> Any:
+    """``make()`` under torch seed ``seed``, leaving the caller's global RNG state as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make()
+
+
+def _build_ref(cfg: ModelConfig, seed: int) -> nn.Module:
+    factory = resolve_ref(cfg.ref)
+    model = _seeded(seed, lambda: factory(**cfg.options))
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model ref {cfg.ref!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model.float()
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    """The ``transformers`` config of an ``hf`` model: read from the local path, options applied."""
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError:
+        raise ValueError("model kind 'hf' needs the transformers package: pip install 'ddiloco-learner[hf]'") from None
+    path = Path(cfg.ref).expanduser()
+    if not path.exists():
+        raise ValueError(f"model kind 'hf': {path} does not exist (a config.json or a folder holding one)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local config only: never reach for the hub
+    try:
+        if path.is_file():
+            config = transformers.AutoConfig.for_model(**json.loads(path.read_text()))
+        else:
+            config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model kind 'hf': cannot read a transformers config from {path}: {exc}") from None
+    for key, value in cfg.options.items():
+        setattr(config, key, value)
+    vocab = getattr(config, "vocab_size", None)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if vocab is not None and vocab < cfg.vocab_size:
+        raise ValueError(f"model kind 'hf': the config's vocab_size {vocab} is below model.vocab_size {cfg.vocab_size}")
+    if positions is not None and positions < cfg.context:
+        raise ValueError(f"model kind 'hf': the config allows {positions} positions, fewer than model.context "
+                         f"{cfg.context}")
+    return config
+
+
+def _build_hf(cfg: ModelConfig, seed: int) -> nn.Module:
+    import transformers
+
+    config = hf_config(cfg)
+    config.use_cache = False  # training and evaluation only: no key/value cache
+    model = _seeded(seed, lambda: transformers.AutoModelForCausalLM.from_config(config))
+    return model.float()
+
+
+def lm_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, loss) of any model kind: the built-in GPT computes its own loss (with the MoE
+    auxiliary loss); other modules are called as ``model(x)`` and their logits (a tensor, the
+    first element of a tuple, or ``.logits``) give the cross-entropy against ``y``."""
+    if isinstance(model, GPT):
+        return model(x, y)
+    out = model(x)
+    logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple | list) else out
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise ValueError("the model must return logits [batch, time, vocab] (a tensor, a tuple starting with "
+                         f"them, or an object with .logits), got {type(logits).__name__}")
+    if y is None:
+        return logits, None
+    return logits, F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def model_section(value: Any) -> Any:
+    """The ``model`` config section, accepting the shorthands ``"package.module:factory"`` and
+    ``"hf:PATH"`` for ``{kind: ref, ref: ...}`` and ``{kind: hf, ref: PATH}``."""
+    if isinstance(value, str):
+        if value.startswith("hf:"):
+            return {"kind": "hf", "ref": value[3:]}
+        return {"kind": "ref", "ref": value}
+    return value
+
+
 MODEL_KINDS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "gpt": _build_gpt,
     "moe": _build_gpt,
+    "ref": _build_ref,
+    "hf": _build_hf,
 }
 """Model builders by ``ModelConfig.kind``. Register a new kind here (see the module docstring)."""
 
@@ -291,8 +420,12 @@ def model_fingerprint(model: nn.Module, cfg: ModelConfig) -> str:
     Two processes with equal fingerprints hold models whose state dicts line up tensor by tensor
     (the weights themselves are not hashed).
     """
+    fields = dataclasses.asdict(cfg)
+    for key in ("ref", "options"):  # added later: unset, they leave the built-in models' fingerprints as they were
+        if not fields[key]:
+            del fields[key]
     h = hashlib.sha256()
-    h.update(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
+    h.update(json.dumps(fields, sort_keys=True).encode())
     for name, tensor in model.state_dict().items():
         h.update(f"\n{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
     return "model-" + h.hexdigest()[:24]
