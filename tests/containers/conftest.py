@@ -68,7 +68,7 @@ def _install_engine() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def docker_engine():
     """DOCKER_HOST of a running engine (started here when none runs)."""
     for url in filter(None, [os.environ.get("DOCKER_HOST"), "unix:///var/run/docker.sock"]):
@@ -101,9 +101,13 @@ def docker_engine():
             proc.kill()
             proc.wait()
         log.close()
+        # The engine's layers (several GB on vfs, which copies every layer in full) go with it:
+        # the images are rebuilt from the checkout by the next run anyway.
+        shutil.rmtree(ENGINE_DIR / "data", ignore_errors=True)
+        shutil.rmtree(ENGINE_DIR / "exec", ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def docker_client(docker_engine):
     import docker
 
@@ -140,7 +144,7 @@ def _hostroot_tar() -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hostroot_image(docker_client) -> str:
     try:
         docker_client.images.get(HOSTROOT_TAG)
@@ -195,7 +199,7 @@ def _build_base(client) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def service_images(docker_client) -> dict[str, str]:
     """{"synchronizer": tag, "learner": tag} of the real images, built from this checkout."""
     digest = _sources_digest()

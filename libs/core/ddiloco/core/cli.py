@@ -47,7 +47,11 @@ def _summary(ep: EntryPoint) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     installed = commands()
-    listing = "\n".join(f"  {name:<13} {_summary(ep)}" for name, ep in sorted(installed.items()))
+    # The summaries are read from each command's module docstring, which imports its parent
+    # packages (some import torch): only a listing pays for that, never a command being run.
+    wants_listing = not argv or argv[0] in ("-h", "--help")
+    listing = "\n".join(f"  {name:<13} {_summary(ep) if wants_listing else ''}"
+                         for name, ep in sorted(installed.items()))
     parser = argparse.ArgumentParser(
         prog="ddiloco", description="Decoupled DiLoCo: resilient distributed pre-training.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
