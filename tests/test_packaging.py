@@ -132,8 +132,8 @@ def _import_all(target: pathlib.Path, third_party: pathlib.Path, cwd: pathlib.Pa
 
 
 @pytest.mark.parametrize("service, package, commands", [
-    ("ddiloco-synchronizer", "ddiloco.synchronizer", ["certs", "status", "synchronizer"]),
-    ("ddiloco-learner", "ddiloco.learner", ["certs", "learner", "status"]),
+    ("ddiloco-synchronizer", "ddiloco.synchronizer", ["certs", "export", "status", "synchronizer"]),
+    ("ddiloco-learner", "ddiloco.learner", ["certs", "eval", "learner", "prepare-data", "status"]),
 ])
 def test_a_service_image_runs_without_the_lab(tmp_path, wheels, third_party, service, package, commands) -> None:
     parts, _ = _closure(service)
@@ -165,5 +165,5 @@ def test_everything_together_carries_every_module_and_the_cli(tmp_path, wheels, 
     version = _probe(target, third_party, tmp_path, "--version")
     assert version.returncode == 0 and version.stdout.strip() == "0.1.0", version.stderr
     listing = _probe(target, third_party, tmp_path, "--help")
-    for command in ("bench", "learner", "run", "simulate", "status", "synchronizer"):
+    for command in ("bench", "eval", "export", "learner", "prepare-data", "run", "simulate", "status", "synchronizer"):
         assert f"  {command} " in listing.stdout, listing.stdout

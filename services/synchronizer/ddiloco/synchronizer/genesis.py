@@ -6,7 +6,9 @@ leaves before it finished, the next learner to say Hello takes over and the uplo
 Each fragment's upload is checked against itself (a layout of one fragment) and staged; once every
 owned fragment is staged the layout must match the one the uploader announced, every fragment is
 committed at version 0, and ``meta.json`` is written last, so a state dir without it holds no
-state and a crash during genesis leaves nothing half-made.
+state and a crash during genesis leaves nothing half-made. The uploader's Hello label ``model``
+(a description of the model: a ModelConfig's JSON or a factory reference) is recorded in
+``meta.json`` with the layout, so an export of the state says what the weights belong to.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from ddiloco.synchronizer.ledger import Ledger
 from ddiloco.synchronizer.membership import LearnerRecord, Membership
 from ddiloco.synchronizer.recovery import LoadedState
 from ddiloco.synchronizer.store import FragmentRecord, StateStore
+
+MAX_MODEL_LABEL_BYTES = 64 * 1024
+"""Largest ``model`` label recorded in meta.json. A description is a small JSON document; a
+learner sending megabytes there must not bloat the file every start-up reads, so a larger one is
+left out (with a warning) rather than cut, which would record an invalid description."""
 
 
 class Genesis:
@@ -91,12 +98,17 @@ class Genesis:
                                    f"genesis tensors give layout {layout.fingerprint}, Hello said {hello.layout_hash}")
                 return None
         staged = dict(self._staging)
+        model = hello.labels.get("model")
+        if model is not None and len(model.encode()) > MAX_MODEL_LABEL_BYTES:
+            self.ledger.log.warning("model label not recorded: too large", learner_id=rec.learner_id,
+                                    bytes=len(model.encode()), limit=MAX_MODEL_LABEL_BYTES)
+            model = None
 
         def commit() -> None:
             for p, (_, values) in staged.items():
                 self.store.commit(FragmentRecord(p, 0, values, torch.zeros_like(values), 0, self.wall()))
             self.store.write_meta(layout=layout, model_fingerprint=hello.model_fingerprint,
-                                  protocol=self.protocol, owned=self.owned)
+                                  protocol=self.protocol, owned=self.owned, model=model)
 
         await self.run_blocking(commit)
         self._staging.clear()

@@ -15,7 +15,10 @@ stale contributions needs. Files older than the retention are deleted after each
 Each file holds a JSON header (fragment, version, merges, sizes) and the fp32 parameters and
 outer momentum, followed by an xxh3-128 digest of everything before it. A torn or partly
 written file fails the digest and is never loaded; temp files are removed at start-up.
-``meta.json`` is written last at genesis, so a state dir without it holds no state.
+``meta.json`` is written last at genesis, so a state dir without it holds no state. Besides the
+layout and the model fingerprint it may carry ``model``: the description of the model the
+genesis learner announced (its Hello label ``model``, kept verbatim), so that the trained weights
+can be exported with what builds them. State dirs from before that field simply lack it.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ class StateStore:
     # -- meta -----------------------------------------------------------------------------
 
     def read_meta(self) -> dict | None:
+        """The ``meta.json`` document (None before genesis); ``doc.get("model")`` is the model's
+        description when the genesis learner sent one, None otherwise (and in older state dirs)."""
         path = self.root / META
         if not path.exists():
             return None
@@ -117,7 +122,7 @@ class StateStore:
             raise StateError(f"{path} is unreadable: {exc}") from exc
 
     def write_meta(self, *, layout: FragmentLayout, model_fingerprint: str, protocol: dict,
-                   owned: list[int]) -> None:
+                   owned: list[int], model: str | None = None) -> None:
         doc = {
             "format": 1,
             "layout_hash": layout.fingerprint,
@@ -127,6 +132,10 @@ class StateStore:
             "owned_fragments": owned,
             "created_unix": time.time(),
         }
+        # Optional and additive: readers use .get("model"), so "format" stays 1 and state dirs
+        # written before (or by learners that send no description) load unchanged.
+        if model is not None:
+            doc["model"] = model
         atomic_write(self.root / META, json.dumps(doc, indent=1).encode())
 
     # -- fragments ------------------------------------------------------------------------
