@@ -137,18 +137,35 @@ def test_a_learner_whose_protocol_or_model_disagrees_is_refused(tmp_path):
                 sync.join()
 
 
+def _eval(*args: str, cwd: pathlib.Path) -> float:
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "eval", "--json", "--threads", "1", *args],
+                          capture_output=True, text=True, timeout=180, cwd=cwd,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLE.parent), str(ROOT)])))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return float(json.loads(proc.stdout)["loss"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("hf", [False, True], ids=["own-gru", "transformers-llama"])
-def test_the_example_script_trains_two_learners_that_merge(tmp_path, hf):
+def test_the_example_trains_two_learners_that_merge_and_its_export_evaluates_like_the_live_model(tmp_path, hf):
+    """The acceptance path of a user's own loop: two learners of the example (a model defined in
+    the example, or a transformers Llama from a local config) train and merge through
+    DecoupledSync; the synchronizer's global model is exported, reloaded, and its eval loss equals
+    the live global model's (fp32 broadcast, so the two are the same numbers)."""
     config = tmp_path / "own_loop.yaml"
-    config.write_text("protocol: {num_fragments: 4, sync_every: 5, mode: decoupled}\n")
+    config.write_text("protocol: {num_fragments: 4, sync_every: 5, mode: decoupled, global_codec: fp32}\n")
     extra: list[str] = []
+    model = "model: {kind: ref, ref: \"own_loop:make_model\", context: 64}\n"
     if hf:
         hf_config = tmp_path / "llama.json"
         hf_config.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
                                          "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
                                          "num_key_value_heads": 2, "max_position_embeddings": 64}))
         extra = ["--hf-config", str(hf_config)]
+        model = f"model: {{kind: hf, ref: {hf_config}, context: 64}}\n"
+    eval_config = tmp_path / "eval.yaml"
+    eval_config.write_text(config.read_text() + model + "data: {context: 64, batch_size: 4, max_bytes: 300000}\n"
+                           "train: {eval_batches: 4}\n")
     with synchronizer(tmp_path, "--config", str(config), "--quorum", "1") as target:
         procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--synchronizer", target, "--learner-id", f"learner-{i}",
                                    "--config", str(config), "--steps", "30", "--shard", str(i),
@@ -162,8 +179,14 @@ def test_the_example_script_trains_two_learners_that_merge(tmp_path, hf):
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, errs[i][-3000:]
+        for i, p in enumerate(procs):
+            assert p.returncode == 0, errs[i][-3000:]
+        exported = tmp_path / "model.safetensors"
+        proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "export", "--state-dir", str(tmp_path / "state"),
+                               "--out", str(exported)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        live = _eval("--synchronizer", target, "--config", str(eval_config), cwd=tmp_path)
+    for i in range(2):
         summary = json.loads((tmp_path / f"{i}.json").read_text())
         assert summary["steps"] == 30 and summary["all_answered"]
         assert math.isfinite(summary["loss"]) and summary["loss"] < math.log(256)
@@ -171,6 +194,27 @@ def test_the_example_script_trains_two_learners_that_merge(tmp_path, hf):
         assert applied, f"learner-{i} applied no merged fragment"
     genesis = [next(e for e in _events(tmp_path / f"{i}.jsonl") if e["event"] == "start")["genesis"] for i in range(2)]
     assert sorted(genesis) == [False, True]  # one uploaded the genesis model, the other fetched it
+
+    from_file = _eval("--model-file", str(exported), "--config", str(eval_config), cwd=tmp_path)
+    assert from_file == pytest.approx(live, abs=1e-9)
+    assert from_file < math.log(256) - 0.5  # trained, well below a uniform guess
+
+    # reloaded in Python into the user's own class, with one call
+    from safetensors.torch import load_file
+
+    from ddiloco.learner.export_io import load_exported
+
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import own_loop
+
+        fresh = own_loop.hf_model(str(hf_config)) if hf else own_loop.make_model()
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    meta = load_exported(fresh, exported)
+    assert meta["model"] == ("hf:" + str(hf_config) if hf else "own_loop:make_model")
+    weights = load_file(str(exported))
+    assert all(torch.equal(p.detach(), weights[name]) for name, p in fresh.named_parameters())
 
 
 def _free_port() -> int:
