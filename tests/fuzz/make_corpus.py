@@ -57,7 +57,7 @@ def encode(codec_name: str, kind: str, fragment: int, block: int = 256) -> bytes
 
 def seeds() -> dict[str, bytes]:
     out: dict[str, bytes] = {}
-    for codec in ("fp32", "bf16_zstd", "int8_block"):
+    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block"):
         for fragment in (0, 1):
             out[f"frames-{codec}-weights-f{fragment}"] = frames_input(encode(codec, "weights", fragment),
                                                                       codec=codec, fragment=fragment)
@@ -75,7 +75,7 @@ def seeds() -> dict[str, bytes]:
     out["frames-fp32-wrong-shape"] = frames_input(encode("fp32", "weights", 0), codec="fp32", header_flags=8)
     out["frames-int8_block-digest"] = frames_input(encode("int8_block", "weights", 0), codec="int8_block", declared=1)
     out["frames-unknown-codec"] = frames_input(encode("fp32", "zeros", 1), codec="zstd9", fragment=1)
-    for codec in ("fp32", "bf16_zstd", "int8_block"):
+    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block"):
         frag = LAYOUT[1]
         chunks = encode_fragment(values("weights", frag.numel), frag, codec=make_codec(codec, threads=1),
                                  kind="contribution", version=1, transfer_id=3, layout_hash="layout-fuzz",

@@ -75,5 +75,5 @@ def test_every_seed_runs_clean_through_the_target_logic():
         mine = {n: o for n, o in outcomes.items() if n.startswith(mode)}
         assert any(o.decoded for o in mine.values()), f"no {mode} seed decodes"
         assert any(o.refused for o in mine.values()), f"no {mode} seed is refused"
-    for codec in ("fp32", "bf16_zstd", "int8_block"):
+    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block"):
         assert any(o.decoded for n, o in outcomes.items() if codec in n), f"no {codec} seed decodes"

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ddiloco.fragments.codec import Bf16ZstdCodec, Codec, Fp32Codec, Int8BlockCodec
+from ddiloco.fragments.codec import Bf16ZstdCodec, Codec, Fp32Codec, Int4BlockCodec, Int8BlockCodec
 
 TARGET_BF16_RATIO = 1.4
 TARGET_ENCODE_MBPS = 1000.0
@@ -115,6 +115,7 @@ def _codecs(threads: int) -> list[tuple[str, Codec]]:
         ("bf16_zstd level 1", Bf16ZstdCodec(level=1, threads=threads)),
         ("bf16_zstd level 3", Bf16ZstdCodec(level=3, threads=threads)),
         ("int8_block", Int8BlockCodec()),
+        ("int4_block", Int4BlockCodec()),
     ]
 
 

@@ -1,8 +1,8 @@
 """Payload codecs: flat fp32 values in, bytes out, and back.
 
-Three codecs behind one interface (``encode(values) -> bytes``, ``decode(payload, n) -> values``):
+Four codecs behind one interface (``encode(values) -> bytes``, ``decode(payload, n) -> values``):
 
-- ``fp32``: raw little-endian fp32, lossless, the baseline. (All three assume a little-endian
+- ``fp32``: raw little-endian fp32, lossless, the baseline. (All of them assume a little-endian
   host, as every platform torch ships for does.)
 - ``bf16_zstd``: round to bfloat16 exactly as torch does (round-to-nearest-even), then code the
   8 exponent bits and the sign+7 mantissa bits of each value separately. The mantissa bits are
@@ -28,6 +28,8 @@ Three codecs behind one interface (``encode(values) -> bytes``, ``decode(payload
   independent decoder.
 - ``int8_block``: symmetric int8 with one fp32 scale per block of values (lossy, 3.9x smaller
   than fp32); pair it with ``ErrorFeedback`` so quantisation error is carried, not lost.
+- ``int4_block``: symmetric levels -7..7 (4 bits, two a byte) with one fp32 scale per block of 64
+  values (lossy, 0.5625 bytes a value, 7.1x smaller than fp32); only with ``ErrorFeedback``.
 
 Lossy codecs never see anything but fp32 outer gradients or parameters; the codec is chosen per
 transfer and named in its header.
@@ -505,11 +507,172 @@ class Int8BlockCodec:
         return _I8_HEAD.size + 4 * (-(-num_values // self.block_size)) + num_values
 
 
-CodecName = Literal["fp32", "bf16_zstd", "int8_block"]
+_I4_HEAD = struct.Struct("<2sI")
+_I4_MIN_BLOCK, _I4_MAX_BLOCK = 8, 1 << 20
+_I4_LEVELS = 7  # levels -7..7; a level q travels as the 4-bit code q + 8, so code 0 never occurs
+_I4_CHUNK_VALUES = 1 << 15
+
+
+def _int4_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per packed byte: its two levels as fp32 (first value in the low nibble), and whether both
+    nibbles are valid codes (1..15)."""
+    byte = np.arange(256, dtype=np.int32)
+    low, high = byte & 0xF, byte >> 4
+    levels = np.stack([low - 8, high - 8], axis=1).astype(np.float32)
+    return levels, (low != 0) & (high != 0)
+
+
+_I4_PAIR_LEVELS, _I4_VALID_BYTE = _int4_tables()
+
+
+def _quantize4(blocks: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
+    """Rows of ``blocks`` -> their scales (max|x|/7) and 4-bit codes round(x/scale) + 8, in place."""
+    work = np.abs(blocks)
+    np.maximum.reduce(work, axis=1, out=scales)  # ~10x faster than np.max on rows this short
+    scales /= np.float32(_I4_LEVELS)
+    safe = np.where(scales > 0, scales, np.float32(1.0))
+    with np.errstate(invalid="ignore"):  # non-finite inputs: see below
+        np.divide(blocks, safe[:, None], out=work)
+        np.rint(work, out=work)  # half to even; |x/scale| <= 7 up to rounding of a subnormal scale
+        np.clip(work, -_I4_LEVELS, _I4_LEVELS, out=work)
+        work += np.float32(8.0)
+        np.copyto(codes, work, casting="unsafe")
+    finite = np.isfinite(scales)
+    if not finite.all():
+        # A block holding NaN or inf keeps its non-finite scale (NaN or +inf) and level-0 codes, so
+        # it decodes to non-finite values, which the receiving side refuses, like every codec's.
+        codes[~finite] = 8
+
+
+def _pack_nibbles(codes: np.ndarray, out: np.ndarray) -> None:
+    """An even number of 4-bit codes (uint8) -> ``out``, two a byte, the first in the low nibble."""
+    pairs = codes.view(np.uint16)  # little-endian: the first code in the low byte
+    merged = pairs >> np.uint16(4)
+    merged |= pairs
+    np.copyto(out, merged, casting="unsafe")  # keeps the low byte: both codes
+
+
+@dataclass(frozen=True)
+class Int4BlockCodec:
+    """Symmetric 4-bit levels -7..7 per block of ``block_size`` values, one fp32 scale (max|x|/7)
+    per block; two codes a byte.
+
+    Layout (little-endian): header ``<2sI`` = b"I4", block size; one fp32 scale per block; then the
+    codes, ``ceil(n / 2)`` bytes, value ``2i`` in the low nibble of byte ``i`` and value ``2i + 1``
+    in its high nibble. A code is the level plus 8 (1..15); 0 is never written, and an odd count's
+    padding nibble is 0. Wire size: ``6 + 4 * ceil(n / B) + ceil(n / 2)`` bytes, 0.5625 bytes a value
+    at the default B = 64 (7.1x smaller than fp32).
+
+    Rounding is to the nearest level (|error| <= scale / 2, scales in fp32's normal range); what it
+    drops is meant to be carried by ``ErrorFeedback``, so there is no stochastic rounding. The scale
+    is fp32, not fp16: fp16 would save 2 bytes a block (6% at B = 64) but flushes the scale of a
+    block of outer gradients below 6e-8 * 7 to zero and rounds the rest to 11 bits, an error that
+    would then be added to every value of the block.
+    """
+
+    block_size: int = 64
+
+    name: ClassVar[str] = "int4_block"
+    lossless: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if not _I4_MIN_BLOCK <= self.block_size <= _I4_MAX_BLOCK or self.block_size % 2:
+            raise ValueError(
+                f"block_size must be even and in {_I4_MIN_BLOCK}..{_I4_MAX_BLOCK}, got {self.block_size}")
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        flat = _as_flat_fp32(values).numpy()
+        n, size = flat.size, self.block_size
+        full = n // size
+        nblocks = -(-n // size)
+        scales = np.empty(nblocks, dtype="<f4")
+        packed = np.empty((n + 1) // 2, dtype=np.uint8)
+        step = max(1, _I4_CHUNK_VALUES // size)  # a cache-sized slice of blocks at a time
+        codes = np.empty(min(full, step) * size, dtype=np.uint8)
+        for first in range(0, full, step):
+            last = min(first + step, full)
+            chunk = codes[:(last - first) * size]
+            _quantize4(flat[first * size:last * size].reshape(-1, size), scales[first:last],
+                       chunk.reshape(-1, size))
+            _pack_nibbles(chunk, packed[first * size // 2:last * size // 2])
+        if full < nblocks:  # a last, shorter block (block sizes are even, so it starts on a byte)
+            rest = n - full * size
+            tail = np.zeros((1, size), dtype=np.float32)
+            tail[0, :rest] = flat[full * size:]
+            tail_codes = np.empty((1, size), dtype=np.uint8)
+            _quantize4(tail, scales[full:], tail_codes)
+            tail_codes[0, rest:] = 0  # the padding nibble of an odd count is 0
+            tail_packed = np.empty(size // 2, dtype=np.uint8)
+            _pack_nibbles(tail_codes[0], tail_packed)
+            packed[full * size // 2:] = tail_packed[:(rest + 1) // 2]
+        return b"".join([_I4_HEAD.pack(b"I4", size), scales.data, packed.data])
+
+    def quantization_step(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-value quantisation step (the block's scale) for ``values``."""
+        flat = _as_flat_fp32(values)
+        n = flat.numel()
+        nblocks = -(-n // self.block_size)
+        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
+        padded[:n] = flat.abs()
+        scales = padded.view(nblocks, self.block_size).amax(dim=1) / float(_I4_LEVELS)
+        return scales.repeat_interleave(self.block_size)[:n]
+
+    def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
+        view = memoryview(payload).cast("B")
+        if len(view) < _I4_HEAD.size:
+            raise CodecError("int4_block payload shorter than its header")
+        magic, size = _I4_HEAD.unpack_from(view, 0)
+        if magic != b"I4":
+            raise CodecError(f"int4_block payload has bad magic {magic!r}, expected b'I4'")
+        if not _I4_MIN_BLOCK <= size <= _I4_MAX_BLOCK or size % 2:
+            raise CodecError(f"int4_block payload has an invalid block size {size}")
+        if num_values < 0:
+            raise CodecError(f"int4_block cannot decode {num_values} values")
+        nblocks = -(-num_values // size)
+        nbytes = (num_values + 1) // 2
+        expected = _I4_HEAD.size + 4 * nblocks + nbytes
+        if len(view) != expected:  # checked before anything is allocated
+            raise CodecError(f"int4_block payload has {len(view)} bytes, expected {expected}")
+        scales = np.frombuffer(view, dtype="<f4", count=nblocks, offset=_I4_HEAD.size)
+        if (scales < 0).any():  # -inf included; NaN and +inf: see below
+            raise CodecError("int4_block payload has a negative scale")
+        packed = np.frombuffer(view, dtype=np.uint8, offset=_I4_HEAD.size + 4 * nblocks)
+        whole = num_values // 2
+        pairs = packed[:whole]  # code 0 in either nibble: a low nibble of 0, or a byte below 16
+        if np.bitwise_and(pairs, np.uint8(0xF)).min(initial=1) == 0 or pairs.min(initial=16) < 16:
+            raise CodecError("int4_block payload holds an invalid code (0)")
+        if num_values & 1 and not (packed[-1] & 0xF and packed[-1] >> 4 == 0):
+            raise CodecError("int4_block payload has an invalid last code or a non-zero padding nibble")
+        out = np.empty(2 * nbytes, dtype=np.float32)
+        full = num_values // size
+        step = max(1, _I4_CHUNK_VALUES // size)
+        # NaN or +inf scales (the encoder's mark of a non-finite block) and huge scales times 7
+        # decode to non-finite values, which the caller refuses (``decode_fragment``: NON_FINITE).
+        with np.errstate(over="ignore", invalid="ignore"):
+            for first in range(0, full, step):
+                last = min(first + step, full)
+                rows = out[first * size:last * size].reshape(-1, size)
+                np.take(_I4_PAIR_LEVELS, packed[first * size // 2:last * size // 2], axis=0,
+                        out=rows.reshape(-1, 2))
+                rows *= scales[first:last, None]
+            if full < nblocks:
+                tail = out[full * size:]
+                np.take(_I4_PAIR_LEVELS, packed[full * size // 2:], axis=0, out=tail.reshape(-1, 2))
+                tail *= scales[full]
+        return torch.from_numpy(out[:num_values])
+
+    def max_encoded_bytes(self, num_values: int) -> int:
+        # The transfer header does not carry this codec's block size (the payload does), so the
+        # bound holds for any block size a sender may pick: the smallest has the most scales.
+        return _I4_HEAD.size + 4 * (-(-num_values // _I4_MIN_BLOCK)) + (num_values + 1) // 2
+
+
+CodecName = Literal["fp32", "bf16_zstd", "int8_block", "int4_block"]
 CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 
 
-def make_codec(name: str, *, zstd_level: int = 1, threads: int = 2, int8_block: int = 256) -> Codec:
+def make_codec(name: str, *, zstd_level: int = 1, threads: int = 2, int8_block: int = 256,
+               int4_block: int = 64) -> Codec:
     """Build a codec by its name (one of ``CODEC_NAMES``)."""
     if name == "fp32":
         return Fp32Codec()
@@ -517,4 +680,6 @@ def make_codec(name: str, *, zstd_level: int = 1, threads: int = 2, int8_block: 
         return Bf16ZstdCodec(level=zstd_level, threads=threads)
     if name == "int8_block":
         return Int8BlockCodec(block_size=int8_block)
+    if name == "int4_block":
+        return Int4BlockCodec(block_size=int4_block)
     raise CodecError(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}")

@@ -21,6 +21,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_FP32: _ClassVar[Codec]
     CODEC_BF16_ZSTD: _ClassVar[Codec]
     CODEC_INT8_BLOCK: _ClassVar[Codec]
+    CODEC_INT4_BLOCK: _ClassVar[Codec]
 
 class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +72,7 @@ CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_BF16_ZSTD: Codec
 CODEC_INT8_BLOCK: Codec
+CODEC_INT4_BLOCK: Codec
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_CONTRIBUTION: PayloadKind
 PAYLOAD_KIND_GENESIS: PayloadKind
