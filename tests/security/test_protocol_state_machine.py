@@ -328,7 +328,7 @@ class ProtocolMachine(RuleBasedStateMachine):
               "fragment_id": st.integers(2, (1 << 32) - 1),
               "ahead": st.integers(1, 1 << 40),
               "behind": st.integers(0, 1 << 16),
-              "codec": st.sampled_from(["fp32", "bf16_zstd", "int8_block"]),
+              "codec": st.sampled_from(["fp32", "bf16_zstd", "int8_block", "int4_block"]),
               "garbage": st.binary(max_size=64),
               "block_size": st.sampled_from([1, 7, (1 << 20) + 1, (1 << 32) - 1]),
           }))
