@@ -31,6 +31,7 @@ from ddiloco.learner.eval_cmd import main as eval_main
 from ddiloco.learner.export_io import ExportLoadError, load_exported, read_export_metadata
 from ddiloco.learner.inner_loop import evaluate
 from ddiloco.learner.model import ModelConfig, build_model, model_fingerprint
+from tests.procs import synchronizer
 
 TOKEN = "eval-test-token-0123456789abcdef"
 CONFIG = """
@@ -180,16 +181,7 @@ def fleet(tmp_path_factory):
     (root / "token").write_text(TOKEN)
     config = root / "config.yaml"
     config.write_text(CONFIG.format(token=TOKEN, token_file=root / "token"))
-    ready = root / "ready.json"
-    sync = subprocess.Popen(_cli("synchronizer", "--listen", "127.0.0.1:0", "--state-dir", str(root / "state"),
-                                 "--config", str(config), "--quorum", "1", "--ready-file", str(ready)),
-                            stdout=subprocess.DEVNULL, stderr=open(root / "sync.log", "wb"))  # noqa: SIM115
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert sync.poll() is None and time.monotonic() < deadline, "synchronizer did not start"
-            time.sleep(0.1)
-        target = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+    with synchronizer(root, "--config", str(config), "--quorum", "1", log=root / "sync.log") as target:
         learner = subprocess.run(_cli("learner", "--synchronizer", target, "--learner-id", "learner-0", "--config",
                                       str(config), "--threads", "1"), capture_output=True, text=True, timeout=240)
         assert learner.returncode == 0, learner.stdout[-2000:] + learner.stderr[-2000:]
@@ -202,13 +194,6 @@ def fleet(tmp_path_factory):
                 last, since = now, time.monotonic()
         assert min(last.values()) >= 2, f"the run merged too little to tell models apart: {last}"
         yield Fleet(root, config, root / "state", target)
-    finally:
-        sync.terminate()
-        try:
-            sync.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            sync.kill()
-            sync.wait()
 
 
 def _eval_json_start(*args: str) -> subprocess.Popen:

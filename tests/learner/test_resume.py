@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from ddiloco.learner.config import TrainConfig
 from ddiloco.learner.inner_loop import lr_at
 from ddiloco.learner.service import fleet_progress
+from tests.procs import synchronizer
 
 
 def test_fleet_progress_takes_the_further_of_the_clock_and_the_durable_versions():
@@ -56,16 +56,7 @@ def _events(path) -> list[dict]:
 def test_a_late_learner_starts_at_the_fleet_step_and_one_after_the_end_leaves(tmp_path):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG)
-    ready = tmp_path / "ready.json"
-    sync = subprocess.Popen(_cli("synchronizer", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
-                                 "--config", str(cfg), "--quorum", "1", "--ready-file", str(ready)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert sync.poll() is None and time.monotonic() < deadline, "synchronizer did not start"
-            time.sleep(0.1)
-        target = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+    with synchronizer(tmp_path, "--config", str(cfg), "--quorum", "1") as target:
 
         def learner(lid: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(_cli("learner", "--synchronizer", target, "--learner-id", lid, "--config", str(cfg),
@@ -98,10 +89,3 @@ def test_a_late_learner_starts_at_the_fleet_step_and_one_after_the_end_leaves(tm
         assert start2["start_step"] >= 32 and steps[0] == start2["start_step"] + 1 and steps[-1] == 60
         summary = json.loads((tmp_path / "learner-2.summary.json").read_text())
         assert summary["steps"] == 60 - start2["start_step"]
-    finally:
-        sync.terminate()
-        try:
-            sync.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            sync.kill()
-            sync.wait()

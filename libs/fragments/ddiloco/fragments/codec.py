@@ -439,6 +439,17 @@ def _quantize(blocks: np.ndarray, scales: np.ndarray, q: np.ndarray) -> None:
         np.copyto(q, work, casting="unsafe")
 
 
+def _block_steps(values: torch.Tensor, block_size: int, levels: float) -> torch.Tensor:
+    """Per-value quantisation step of a blockwise absmax codec: each block's max |x| / levels."""
+    flat = _as_flat_fp32(values)
+    n = flat.numel()
+    nblocks = -(-n // block_size)
+    padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
+    padded[:n] = flat.abs()
+    scales = padded.view(nblocks, block_size).amax(dim=1) / levels
+    return scales.repeat_interleave(block_size)[:n]
+
+
 @dataclass(frozen=True)
 class Int8BlockCodec:
     """Symmetric int8 per block of ``block_size`` values, one fp32 scale (max|x|/127) per block."""
@@ -473,13 +484,7 @@ class Int8BlockCodec:
 
     def quantization_step(self, values: torch.Tensor) -> torch.Tensor:
         """Per-value quantisation step (the block's scale) for ``values``."""
-        flat = _as_flat_fp32(values)
-        n = flat.numel()
-        nblocks = -(-n // self.block_size)
-        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
-        padded[:n] = flat.abs()
-        scales = padded.view(nblocks, self.block_size).amax(dim=1) / 127.0
-        return scales.repeat_interleave(self.block_size)[:n]
+        return _block_steps(values, self.block_size, 127.0)
 
     def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
         view = memoryview(payload).cast("B")
@@ -609,13 +614,7 @@ class Int4BlockCodec:
 
     def quantization_step(self, values: torch.Tensor) -> torch.Tensor:
         """Per-value quantisation step (the block's scale) for ``values``."""
-        flat = _as_flat_fp32(values)
-        n = flat.numel()
-        nblocks = -(-n // self.block_size)
-        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
-        padded[:n] = flat.abs()
-        scales = padded.view(nblocks, self.block_size).amax(dim=1) / float(_I4_LEVELS)
-        return scales.repeat_interleave(self.block_size)[:n]
+        return _block_steps(values, self.block_size, float(_I4_LEVELS))
 
     def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
         view = memoryview(payload).cast("B")
