@@ -160,6 +160,11 @@ def test_blocking_modes_run_and_wait_by_design(tmp_path, mode):
     if mode == "diloco":
         assert {e["fragment"] for e in applies} == {0}  # one fragment: the whole model
         assert sum(e["blocked_s"] for log in logs for e in log if e["event"] == "step") > 0
+    for log in logs:
+        # nothing is waited for after the last step: the other learners may be waiting for the
+        # contributions that ending hands over (waiting there deadlocked until wait_timeout_s)
+        last = [e for e in log if e["event"] == "step"][-1]
+        assert last["step"] == 40 and last["blocked_s"] == 0.0, last
 
 
 @pytest.mark.parametrize("policy", ["mix", "replay"])

@@ -182,7 +182,8 @@ class DecoupledSync:
 
     ``config``: a ``LearnerConfig`` or a config document (sections ``learner``, ``protocol``...);
     ``settings`` override its fields (see ``sync_config``). ``steps``: the run's total inner
-    steps, used only to place a learner that joins late (``start_step``). ``model_ref``: a string
+    steps: it places a learner that joins late (``start_step``), and in the modes where learners
+    wait for merges (streaming, diloco) nothing is waited for after the last one. ``model_ref``: a string
     naming the model (a ``package.module:factory`` reference or the JSON of a built-in config);
     it is sent at the handshake, so the synchronizer's state records which model it holds, and
     it enters the default fingerprint.
@@ -402,7 +403,10 @@ class DecoupledSync:
             self.comm.beat_now()
         stats.tokens_per_s = tokens / stats.step_time_s if stats.step_time_s else 0.0
         self._last_end = now
-        blocked = self._apply_arrivals(step + 1)
+        # Blocking modes wait here for the merges due before the next step, but never after the
+        # last one (or when draining): the other learners may be waiting for the contributions
+        # that ending hands over.
+        blocked = self._apply_arrivals(step + 1, wait=step < self.steps and not self.comm.draining.is_set())
         self.events.emit("step", step=step, loss=loss, tokens=self.tokens,
                          step_s=interval if step_s is None else step_s, blocked_s=blocked)
         m = self.metrics
@@ -543,10 +547,10 @@ class DecoupledSync:
         keep = current if self.cfg.apply_policy == "replay" else None
         self.sent[p] = SentState(step, (tokens, steps), self.version[p], keep)
 
-    def _apply_arrivals(self, step: int) -> float:
+    def _apply_arrivals(self, step: int, *, wait: bool = True) -> float:
         """Apply merged fragments due at the boundary before ``step``; returns seconds blocked waiting."""
         blocked = 0.0
-        if self.learners_wait:
+        if self.learners_wait and wait:
             for p, sent in list(self.sent.items()):
                 if step > self.schedule.apply_step(sent.step) and p not in self.pending:
                     known = self.comm.peek_version(p)
