@@ -168,7 +168,7 @@ def test_the_example_trains_two_learners_that_merge_and_its_export_evaluates_lik
                            "train: {eval_batches: 4}\n")
     with synchronizer(tmp_path, "--config", str(config), "--quorum", "1") as target:
         procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--synchronizer", target, "--learner-id", f"learner-{i}",
-                                   "--config", str(config), "--steps", "30", "--shard", str(i),
+                                   "--config", str(config), "--steps", "30", "--shard", str(i), "--no-resume",
                                    "--event-log", str(tmp_path / f"{i}.jsonl"),
                                    "--summary-file", str(tmp_path / f"{i}.json"), *extra],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -188,7 +188,8 @@ def test_the_example_trains_two_learners_that_merge_and_its_export_evaluates_lik
         live = _eval("--synchronizer", target, "--config", str(eval_config), cwd=tmp_path)
     for i in range(2):
         summary = json.loads((tmp_path / f"{i}.json").read_text())
-        assert summary["steps"] == 30 and summary["all_answered"]
+        # --no-resume: the learner that starts second runs every step too, however late it joins
+        assert summary["start_step"] == 0 and summary["steps"] == 30 and summary["all_answered"]
         assert math.isfinite(summary["loss"]) and summary["loss"] < math.log(256)
         applied = [e for e in _events(tmp_path / f"{i}.jsonl") if e["event"] == "apply"]
         assert applied, f"learner-{i} applied no merged fragment"
