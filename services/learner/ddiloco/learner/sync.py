@@ -154,11 +154,13 @@ def sync_config(config: LearnerConfig | dict[str, Any] | None = None, **settings
     """A ``LearnerConfig`` from a config object or document plus keyword settings: any learner
     field (``synchronizer``, ``learner_id``, ``codec``, ``token``, ``event_log``...), or a
     protocol field by its short name (``fragments``, ``sync_every``, ``overlap``, ``mode``)."""
+    shared = ("protocol", "model", "data", "train")
     if isinstance(config, LearnerConfig):
-        document: dict[str, Any] = {"learner": {k: v for k, v in to_dict(config).items()
-                                                if k not in ("protocol", "model", "data", "train")},
-                                    "protocol": to_dict(config.protocol), "model": to_dict(config.model),
-                                    "data": to_dict(config.data), "train": to_dict(config.train)}
+        if all(v is None for v in settings.values()):
+            return config  # validated already: nothing to apply
+        full = to_dict(config)
+        document: dict[str, Any] = {"learner": {k: v for k, v in full.items() if k not in shared},
+                                    **{k: full[k] for k in shared}}
     else:
         document = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (config or {}).items()}
     protocol = dict(document.get("protocol") or {})
