@@ -13,6 +13,7 @@ from ddiloco.algorithm.round import (
     RejoinHold,
     RoundRules,
     RoundState,
+    StartHold,
     Verdict,
     Waiting,
     participation_scale,
@@ -100,6 +101,24 @@ def test_the_rejoin_hold_waits_for_the_last_merges_learners_until_its_deadline()
     other.open(20.0, 1, waiting=True)
     assert other.decide(20.0, [w("a", 3, 19.0)], 3, frozenset({"a"}), TIMINGS, RULES, hold).merge
     assert hold.until is None, "past the window the hold is gone for every fragment"
+
+
+def test_the_start_hold_waits_until_enough_learners_were_live_at_once_or_its_window_passed() -> None:
+    hold = StartHold(learners=2, window_s=30.0)
+    s = RoundState()
+    s.open(10.0, 1, waiting=True)
+    d = s.decide(10.0, [w("a", 0, 10.0)], 0, frozenset({"a"}), TIMINGS, RULES, start=hold)
+    assert not d.merge and d.wake_at == 40.0 and d.reason == "start hold: waiting for 2 learners (1 live)"
+    assert s.decide(11.0, [w("a", 0, 10.0)], 0, frozenset({"a", "b"}), TIMINGS, RULES, start=hold).merge
+    assert hold.released
+    assert s.decide(12.0, [w("a", 0, 10.0)], 0, frozenset({"a"}), TIMINGS, RULES, start=hold).merge, \
+        "released for good: a learner leaving later holds nothing back"
+    alone = StartHold(learners=3, window_s=5.0)
+    t = RoundState()
+    t.open(10.0, 1, waiting=True)
+    assert not t.decide(10.0, [w("a", 0, 10.0)], 0, frozenset({"a"}), TIMINGS, RULES, start=alone).merge
+    assert t.decide(15.0, [w("a", 0, 10.0)], 0, frozenset({"a"}), TIMINGS, RULES, start=alone).merge
+    assert StartHold().hold(0.0, frozenset()) is None, "0 learners: no hold"
 
 
 def test_one_staleness_rule() -> None:

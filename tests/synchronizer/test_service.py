@@ -222,20 +222,55 @@ async def test_contribution_on_a_newer_base_is_summed_with_the_missed_one_and_bo
         sb2 = await b.contribute(0, db, base_version=1, tokens=100, steps=4)
         r0, r1, rb = await a.wait_result(s0), await a.wait_result(s1), await b.wait_result(sb2)
         assert r0.outcome == r1.outcome == rb.outcome == "merged" and r0.version == r1.version == 2
-        assert r0.staleness == r1.staleness == 0
+        assert (r0.staleness, r1.staleness) == (1, 0)  # each part against its own base
         status = {ls.learner_id: ls for ls in server.engine.status().learners}
         assert (status["a"].merged, status["a"].superseded) == (2, 0)
-        # Hand-computed: row a = da0 + da1 (200 tokens / 8 steps: weight 200*25 against b's 100*25).
+        # Hand-computed: row a = da0 re-anchored to version 1 (da0 + theta1 - theta0) + da1 (200
+        # tokens / 8 steps: weight 200*25 against b's 100*25).
         from ddiloco.algorithm.merge import embedding_mask, merge_deltas
 
         spec = server.engine.fragments[0].spec
         segs = [(s, e) for _, s, e in spec.segments()]
         emb = embedding_mask(spec, cfg.embedding_patterns)
-        d2 = merge_deltas(torch.stack([da0 + da1, db]), [2 / 3, 1 / 3], segs, emb, "rda")
+        d2 = merge_deltas(torch.stack([da0 + (theta1 - theta0) + da1, db]), [2 / 3, 1 / 3], segs, emb, "rda")
         torch.testing.assert_close(server.engine.fragments[0].params, theta1 - 0.7 * d2, rtol=1e-5, atol=1e-7)
         assert not torch.equal(theta0, theta1)
         for lr in (a, b, c):
             await lr.close()
+
+
+async def test_a_summed_part_whose_predecessor_was_merged_is_not_counted_twice(tmp_path):
+    # One learner at points x1, x2, x3 of its own training. It sends A = theta0 - x1 (merged
+    # alone: theta1 = x1), then A2 = theta0 - x2 on the same base before it hears of that merge
+    # (A2 holds A's progress), then applies theta1 (replay: it stays at x3 + (x2 - x1)... as far as
+    # the synchronizer knows, x3 relative to what it handed over) and sends C = x2 - x3 on base 1.
+    # A2 and C are summed in its slot. With outer SGD lr 1 and a lone learner the global must land
+    # on the learner's point x3; adding A2 as is (not re-anchored) would count A's progress twice
+    # and land at x3 - A.
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0),
+                      outer_lr=1.0, outer_momentum=0.0, merge_method="mean")
+    async with running_server(cfg) as server:
+        (a,) = await _ready(server, "a", step_time_s=10.0)
+        theta0 = server.engine.fragments[0].params.clone()
+        x1 = theta0 - _delta(1, a, 0)
+        x2 = x1 - _delta(2, a, 0)
+        x3 = x2 - _delta(3, a, 0)
+        _request(server)
+        s1 = await a.contribute(0, theta0 - x1, base_version=0, tokens=100, steps=4)
+        assert (await a.wait_result(s1)).version == 1
+        torch.testing.assert_close(server.engine.fragments[0].params, x1)
+        s2 = await a.contribute(0, theta0 - x2, base_version=0, tokens=200, steps=8)
+        await eventually(lambda: len(server.engine.rounds[0].inbox) == 1, what="stale contribution held")
+        s3 = await a.contribute(0, x2 - x3, base_version=1, tokens=100, steps=4)
+        inbox = server.engine.rounds[0].inbox
+        await eventually(lambda: [p.sequence for e in inbox.entries for p in e.parts()] == [s3, s2],
+                         what="the newer contribution carrying the older one")
+        _request(server)
+        r2, r3 = await a.wait_result(s2), await a.wait_result(s3)
+        assert (r2.outcome, r2.version, r2.staleness) == ("merged", 2, 1)
+        assert (r3.outcome, r3.version, r3.staleness) == ("merged", 2, 0)
+        torch.testing.assert_close(server.engine.fragments[0].params, x3, rtol=1e-5, atol=1e-6)
+        await a.close()
 
 
 async def test_dropped_stream_leaves_the_quorum_at_once(tmp_path):
@@ -420,6 +455,30 @@ async def test_after_a_restart_merges_wait_for_the_last_merges_learners_to_rejoi
 def test_rejoin_window_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match="rejoin_window_s"):
         sync_config(tmp_path, rejoin_window_s=-1)
+    with pytest.raises(ValueError, match="start_learners"):
+        sync_config(tmp_path, start_learners=-1)
+    with pytest.raises(ValueError, match="start_window_s"):
+        sync_config(tmp_path, start_window_s=0)
+
+
+async def test_a_new_fleet_merges_only_once_start_learners_are_live(tmp_path):
+    # A synchronous fleet starting: a's first contribution is not merged alone while b is not
+    # there yet (a would run ahead of b and both would wait on rounds the other cannot reach).
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0),
+                      start_learners=2, start_window_s=30.0)
+    async with running_server(cfg) as server:
+        (a,) = await _ready(server, "a")
+        _request(server)
+        sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        await _decided(server, "start hold: waiting for 2 learners (1 live)")
+        assert a.result_for(sa) is None and server.engine.fragments[0].version == 0
+        b = ScriptedLearner(server.port, "b")
+        await b.connect()
+        b.start_pump()
+        await b.heartbeat()
+        assert (await a.wait_result(sa, timeout_s=10)).version == 1
+        for lr in (a, b):
+            await lr.close()
 
 
 async def test_concurrent_writers_on_one_stream_are_serialised(tmp_path):

@@ -105,6 +105,9 @@ def resolve(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
     doc["train"]["seed"] = run.seed
     doc["data"]["seed"] = run.seed
     doc["protocol"]["mode"] = "decoupled" if run.mode == "dp" else run.mode
+    if run.mode in ("streaming", "diloco") and isinstance(doc["synchronizer"], dict):
+        # every merge waits for every live learner: the run's learners start their rounds together
+        doc["synchronizer"].setdefault("start_learners", run.learners)
     return run, doc
 
 

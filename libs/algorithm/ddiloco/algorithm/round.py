@@ -107,6 +107,37 @@ class RejoinHold:
 
 
 @dataclass
+class StartHold:
+    """A new fleet's first merges wait until ``learners`` learners are live at once, at most
+    ``window_s`` from the first merge the hold stopped (0 learners: no hold).
+
+    The synchronous modes need it: every merge waits for every live learner, so a learner that
+    starts alone merges its first rounds alone and runs ahead; a learner joining then is out of
+    phase, each waits for a round the other cannot reach until it is unblocked, and both stand
+    still until the round timeout. Held from the start, the first learner is stopped by its first
+    round (at most ``overlap`` steps ahead) until the others' first contributions arrive."""
+
+    learners: int = 0
+    window_s: float = 60.0
+    until: float | None = None
+    """Set when the hold first stops a merge."""
+    released: bool = False
+
+    def hold(self, now: float, live: frozenset[str]) -> float | None:
+        """Until when a merge waits (None: it may go on). Released for good once enough learners
+        were live at once or the window has passed."""
+        if self.released or self.learners <= 0 or len(live) >= self.learners:
+            self.released = True
+            return None
+        if self.until is None:
+            self.until = now + self.window_s
+        if now >= self.until:
+            self.released = True
+            return None
+        return self.until
+
+
+@dataclass
 class RoundState:
     """The open round of one fragment: which round, when it was requested, when it reached its quorum."""
 
@@ -139,10 +170,17 @@ class RoundState:
         return view
 
     def decide(self, now: float, waiting: Iterable[Waiting], version: int, live: frozenset[str],
-               timings: Timings, rules: RoundRules, rejoin: RejoinHold | None = None) -> Decision:
+               timings: Timings, rules: RoundRules, rejoin: RejoinHold | None = None,
+               start: StartHold | None = None) -> Decision:
         """Merge now, or wait and until when (``Decision.wake_at``)."""
         view = self.observe(now, waiting, version, live, rules)
         decision = decide(now, view, timings, rules.overlap, rules.policy)
+        if decision.merge and start is not None:
+            until = start.hold(now, live)
+            if until is not None:
+                return dataclasses.replace(decision, merge=False, wake_at=until,
+                                           reason=f"start hold: waiting for {start.learners} learners "
+                                                  f"({len(live)} live)")
         if decision.merge and rejoin is not None:
             hold = rejoin.hold(now, view.fresh or frozenset())
             if hold is not None:

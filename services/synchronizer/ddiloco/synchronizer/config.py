@@ -95,6 +95,13 @@ class SynchronizerConfig:
     committed merges to reconnect and contribute (each fragment merges as soon as all of them
     have), so the first learner back is not merged alone as a whole outer step. It bounds
     restart-to-first-merge; 0 disables it."""
+    start_learners: int = 0
+    """A new fleet's merges wait until this many learners are live at once (0: no wait), at most
+    ``start_window_s`` from the first merge held. The synchronous modes need the fleet assembled
+    before their first round: ``ddiloco run`` sets it to its learner count for them. Not applied
+    after a restart on existing state (``rejoin_window_s`` does that)."""
+    start_window_s: float = 60.0
+    """Longest wait of the start hold, seconds."""
     heartbeat_interval_s: float = 1.0
     """How often learners are asked to heartbeat."""
     heartbeat_timeout_s: float = 10.0
@@ -151,6 +158,10 @@ class SynchronizerConfig:
     """PEM CA bundle: require and verify client certificates (mutual TLS)."""
 
     def __post_init__(self) -> None:
+        if self.start_learners < 0:
+            raise ValueError(f"start_learners must be >= 0, got {self.start_learners}")
+        if not self.start_window_s > 0:
+            raise ValueError(f"start_window_s must be > 0, got {self.start_window_s}")
         if self.rejoin_window_s < 0:
             raise ValueError(f"rejoin_window_s must be >= 0, got {self.rejoin_window_s}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:

@@ -31,7 +31,7 @@ from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
 from ddiloco.algorithm.policies import RunningAverage, Timings
-from ddiloco.algorithm.round import RejoinHold, RoundRules
+from ddiloco.algorithm.round import RejoinHold, RoundRules, StartHold
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
@@ -102,6 +102,8 @@ class Engine:
         self.state: LoadedState | None = None
         self.rounds: dict[int, FragmentRound] = {}
         self.rejoin = RejoinHold()
+        self.start_hold = StartHold(cfg.start_learners, cfg.start_window_s)
+        """A new fleet's first merges wait for ``start_learners`` (none after a restart on state)."""
         p = cfg.protocol
         self.fleet = FleetClock(FragmentSchedule(num_fragments=p.num_fragments, sync_every=p.sync_every,
                                                  overlap=p.overlap), now=clock())
@@ -133,6 +135,7 @@ class Engine:
         if state is None:
             return False
         self._install(state)
+        self.start_hold = StartHold()  # a fleet that merged before assembled once already
         if state.last_contributors and self.cfg.rejoin_window_s > 0:
             self.rejoin = RejoinHold(state.last_contributors, self.clock() + self.cfg.rejoin_window_s)
         self.log.info("state loaded", state_dir=str(self.store.root),
@@ -158,7 +161,7 @@ class Engine:
                            timings=self.timings, run_blocking=self.run_blocking, commit=self.store.commit,
                            encode=self.encode_global, publish=self.publish, merged=self._merged, ask=self._ask,
                            closing=lambda: self.closing, ledger=self.ledger, rejoin=self.rejoin,
-                           max_wait_s=cfg.heartbeat_interval_s)
+                           start=self.start_hold, max_wait_s=cfg.heartbeat_interval_s)
         for frag in self.fragments.values():
             r = FragmentRound(frag, rules=rules, merge=settings, ctx=ctx, log=self.log)
             self.rounds[frag.spec.index] = r

@@ -11,7 +11,9 @@ one's progress, and the replaced one is reported as superseded. When the bases d
 learner applied a merge that did not include its older contribution) or the newer one comes from
 a new incarnation of the learner (a restart from the global state), the newer one does not hold
 the older one's progress: the two deltas are summed into the slot, with their tokens and steps,
-and the older one rides along in ``carried`` to be reported merged (or rejected) with it.
+and the older one rides along in ``carried`` to be reported merged (or rejected) with it. Each part
+keeps its own base version: a merge re-anchors every part against its own base (``bases``), so an
+older part whose predecessor was already merged is not counted twice.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class Contribution:
         own = dataclasses.replace(self, carried=(), tokens=self.tokens - sum(k.tokens for k in self.carried),
                                   steps=self.steps - sum(k.steps for k in self.carried))
         return (own, *self.carried)
+
+    def bases(self) -> list[int]:
+        """The base version of this contribution and of every one it carries (one per part)."""
+        return [self.base_version, *(k.base_version for k in self.carried)]
 
     def supersedes(self, older: Contribution) -> bool:
         """True when this contribution holds all of ``older``'s progress (same process, same base)."""

@@ -45,13 +45,16 @@ class Ledger:
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def merged(self, c: Contribution, version: int, weight: float, staleness: int) -> None:
+    def merged(self, c: Contribution, version: int, weight: float, *, merged_onto: int) -> None:
+        """``c`` (and every part it carries) merged into ``version``, computed on ``merged_onto``;
+        each part's staleness is ``merged_onto`` minus its own base."""
         rec = self.membership.learners.get(c.learner_id)
         self.tokens_merged += c.tokens
-        self.metrics.staleness.observe(staleness)
         if rec is not None:
             rec.tokens_merged += c.tokens
         for part in c.parts():  # a contribution and the older ones summed into it
+            staleness = merged_onto - part.base_version
+            self.metrics.staleness.observe(staleness)
             self.metrics.contributions.labels("merged", "").inc()
             if rec is not None:
                 rec.merged += 1

@@ -35,6 +35,7 @@ from ddiloco.algorithm.round import (
     RejoinHold,
     RoundRules,
     RoundState,
+    StartHold,
     Waiting,
     participation_scale,
     staleness_verdict,
@@ -82,6 +83,7 @@ class RoundContext:
     closing: Callable[[], bool]
     ledger: Ledger
     rejoin: RejoinHold
+    start: StartHold
     max_wait_s: float
     """Longest sleep between two decisions (liveness is re-read at least this often)."""
 
@@ -142,7 +144,7 @@ class FragmentRound:
         while not ctx.closing():
             now = ctx.clock()
             decision = self.state.decide(now, self.waiting(), self.fragment.version, ctx.live(), ctx.timings(),
-                                         self.rules, ctx.rejoin)
+                                         self.rules, ctx.rejoin, ctx.start)
             self.last_decision = decision
             if decision.merge:
                 try:
@@ -171,13 +173,16 @@ class FragmentRound:
         keep: list[int] = []
         staleness: list[int] = []
         for i, c in enumerate(sealed.entries):
-            verdict = staleness_verdict(c.base_version, version, settings.staleness_window,
-                                        retained=not point or frag.params_at(c.base_version) is not None)
+            # An entry may carry older parts with older bases: the oldest decides (each part is
+            # re-anchored against its own base in _compute).
+            bases = c.bases()
+            retained = not point or all(b == version or frag.params_at(b) is not None for b in bases)
+            verdict = staleness_verdict(min(bases), version, settings.staleness_window, retained=retained)
             if verdict is not None:
                 ctx.ledger.reject(c, verdict.reason, verdict.detail, resync=True)
             else:
                 keep.append(i)
-                staleness.append(version - c.base_version)
+                staleness.append(version - min(bases))
         if not keep:
             return
         entries = [sealed.entries[i] for i in keep]
@@ -197,8 +202,8 @@ class FragmentRound:
         frag.last_quorum_size = len(entries)
         frag.last_grace_s = grace_s
         ctx.publish(outcome.transfer)
-        for c, w, s in zip(entries, weights, staleness, strict=True):
-            ctx.ledger.merged(c, version + 1, w, s)
+        for c, w in zip(entries, weights, strict=True):
+            ctx.ledger.merged(c, version + 1, w, merged_onto=version)
         sync_s = time.perf_counter() - started
         ctx.merged(quorum_time_s, sync_s)
         ctx.ledger.record_merge(fragment=self.index, version=version + 1, grace_s=grace_s, merge_s=outcome.merge_s,
@@ -236,10 +241,15 @@ class FragmentRound:
         if any(staleness) and point and deltas.data_ptr() == sealed.deltas.data_ptr():
             deltas = deltas.clone()  # keep the sealed rows intact in case the round is requeued
         for row, s in enumerate(staleness):
-            if s > 0 and point:
-                base = frag.params_at(sealed.entries[keep[row]].base_version)
-                assert base is not None
-                deltas[row].add_(current).sub_(base)
+            if s == 0 or not point:
+                continue
+            # Re-anchor each part against its own base: a part summed into a newer one (its
+            # learner applied a merge meanwhile) may hold progress that merge already counted.
+            for b in sealed.entries[keep[row]].bases():
+                if b != version:
+                    base = frag.params_at(b)
+                    assert base is not None
+                    deltas[row].add_(current).sub_(base)
         merged = merge_deltas(deltas, weights, self._segments, self._embedding, settings.method)
         if scale != 1.0:
             merged = merged * scale
