@@ -7,6 +7,7 @@ import sys
 
 BENCHMARKS = {
     "codec": "ddiloco.lab.bench.codec",
+    "learner": "ddiloco.lab.bench.learner",
     "merge": "ddiloco.lab.bench.merge",
     "quality": "ddiloco.lab.bench.quality",
     "wire": "ddiloco.lab.bench.wire",

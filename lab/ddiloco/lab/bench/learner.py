@@ -1,0 +1,308 @@
+"""``ddiloco bench learner``: the learner's own synchronisation overhead, inner steps per second
+with ``DecoupledSync`` on and off, same model, same loop, same process, measured in the same run.
+
+The inner step is the built-in learner's (``InnerLoop``: the built-in GPT, AdamW, gradient
+clipping) on random token batches. "off" runs it alone; "on" calls ``DecoupledSync.step()`` after
+each optimizer step, joined to a real synchronizer process on 127.0.0.1 (started as ``ddiloco
+run`` starts it, ``LocalCluster.start_synchronizer``; a single learner, so every contribution
+is merged and comes back). Off and on alternate ``--repeats`` times, each on repeat joining
+afresh (a learner of its own id) and finishing; join, finish and the first ``--warmup`` steps
+of every phase are not timed. ``overhead`` = 1 - median on steps/s / median off steps/s,
+against the project's goal of under 2% of step time.
+
+Where the remaining time goes, per fragment (``DecoupledSync.timings``): on the training thread
+``gather`` (parameters into one fp32 tensor), ``outer_gradient``, ``handoff`` (queued for the
+communication thread) and ``apply`` (a merged fragment written back); on the communication
+thread ``encode`` (codec and error feedback) and ``decode`` (a merged fragment), which cost CPU
+but do not block a step unless the cores are short. ``sync_step`` is the whole of ``step()``
+per inner step. CPU time per inner step of this process and of the synchronizer's, off and on,
+shows how much of the overhead is work competing for the same cores rather than time spent in
+``step()``: on one machine the synchronizer's merges run on the learner's cores, which a
+deployment does not do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import yaml
+
+from ddiloco.core.resources import available_cpus
+
+GOAL = 0.02
+SYNC_PHASES = ("gather", "outer_gradient", "handoff", "apply")
+COMM_PHASES = ("encode", "decode")
+
+
+def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+    return wrapper
+
+
+@contextlib.contextmanager
+def _comm_timing(sync: Any, times: dict[str, list[float]]) -> Iterator[None]:
+    """Time the communication thread's encode (``Comm._encode`` of this learner) and decode
+    (``decode_fragment`` as the comm module calls it), restored on exit."""
+    from ddiloco.learner import comm
+
+    sync.comm._encode = _timed(sync.comm._encode, times["encode"])
+    original = comm.decode_fragment
+    comm.decode_fragment = _timed(original, times["decode"])  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        comm.decode_fragment = original  # type: ignore[assignment]
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class Phase:
+    """One timed phase: ``steps`` inner steps after ``warmup`` untimed ones, with the CPU time
+    this process and the synchronizer's used meanwhile."""
+
+    def __init__(self, kind: str, repeat: int, steps: int, sync_pid: int) -> None:
+        self.kind, self.repeat, self.steps, self.sync_pid = kind, repeat, steps, sync_pid
+        self.seconds = self.cpu_s = self.sync_cpu_s = 0.0
+
+    def __enter__(self) -> Phase:
+        self._t = (time.perf_counter(), time.process_time(), _proc_cpu_s(self.sync_pid))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        t, cpu, sync_cpu = self._t
+        self.seconds = time.perf_counter() - t
+        self.cpu_s = time.process_time() - cpu
+        self.sync_cpu_s = _proc_cpu_s(self.sync_pid) - sync_cpu
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds
+
+    def row(self) -> dict[str, Any]:
+        return {"sync": self.kind, "repeat": self.repeat, "steps": self.steps, "seconds": self.seconds,
+                "steps_per_s": self.steps_per_s, "step_ms": 1e3 * self.seconds / self.steps,
+                "learner_cpu_ms_per_step": 1e3 * self.cpu_s / self.steps,
+                "synchronizer_cpu_ms_per_step": 1e3 * self.sync_cpu_s / self.steps}
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Validated (ModelConfig, the model, TrainConfig, protocol section) or a usage error (exit 2),
+    before anything is started."""
+    from ddiloco.learner.config import TrainConfig
+    from ddiloco.learner.model import ModelConfig
+    from ddiloco.protocol.config import ProtocolConfig
+
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.batch_size < 1 or args.threads < 0:
+        parser.error("need --steps >= 1, --warmup >= 0, --repeats >= 1, --batch-size >= 1, --threads >= 0")
+    protocol = {k: v for k, v in (("num_fragments", args.fragments), ("sync_every", args.sync_every),
+                                  ("overlap", args.overlap), ("mode", args.mode)) if v is not None}
+    try:
+        model_cfg = ModelConfig(d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head,
+                                context=args.context)
+        ProtocolConfig(**protocol)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    from ddiloco.fragments.partition import partition_tensors
+    from ddiloco.learner.model import build_model
+
+    model = build_model(model_cfg, seed=0)
+    fragments = ProtocolConfig(**protocol).num_fragments
+    try:
+        partition_tensors(list(model.named_parameters()), fragments)
+    except ValueError as exc:
+        parser.error(f"--fragments {fragments}: {exc}")
+    train_cfg = TrainConfig(steps=(args.steps + args.warmup) * args.repeats * 2, warmup_steps=0, device="cpu")
+    return model_cfg, model, train_cfg, protocol
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco bench learner", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d-model", type=int, default=64, help="width of the built-in GPT")
+    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
+    parser.add_argument("--context", type=int, default=64, help="sequence length")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per inner step")
+    parser.add_argument("--steps", type=int, default=200, help="timed inner steps per phase")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed inner steps at the start of each phase")
+    parser.add_argument("--repeats", type=int, default=2, help="off/on pairs, interleaved")
+    parser.add_argument("--fragments", type=int, help="protocol.num_fragments (default: the protocol's)")
+    parser.add_argument("--sync-every", type=int, help="protocol.sync_every (default: the protocol's)")
+    parser.add_argument("--overlap", type=int, help="protocol.overlap (default: the protocol's)")
+    parser.add_argument("--mode", help="protocol.mode (default: the protocol's)")
+    parser.add_argument("--codec", default=None, help="learner codec (default: the learner's)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the CPUs this process may use)")
+    parser.add_argument("--workdir", help="folder for the synchronizer's config, state and log (default: a "
+                        "temporary one, removed at the end)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--out", default="bench-results/learner.json", help="JSON results file")
+    args = parser.parse_args(argv)
+    model_cfg, model, train_cfg, protocol = _check(args, parser)
+    threads = args.threads or available_cpus()
+    torch.set_num_threads(threads)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds, so the synchronizer is stopped
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if args.workdir:
+        pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        return _run(args, model_cfg, model, train_cfg, protocol, threads, pathlib.Path(args.workdir))
+    with tempfile.TemporaryDirectory(prefix="ddiloco-bench-learner-") as tmp:
+        return _run(args, model_cfg, model, train_cfg, protocol, threads, pathlib.Path(tmp))
+
+
+def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, protocol: dict[str, Any],
+         threads: int, work: pathlib.Path) -> int:
+    from ddiloco.lab.cluster import LocalCluster
+    from ddiloco.learner.inner_loop import InnerLoop
+    from ddiloco.learner.model import model_fingerprint, num_params
+    from ddiloco.learner.sync import DecoupledSync, SyncError
+
+    cfg_path = work / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump({"protocol": protocol, "synchronizer": {}}))
+    loop = InnerLoop(model, train_cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    tokens = args.batch_size * model_cfg.context
+
+    def inner_step() -> float:
+        window = torch.randint(0, model_cfg.vocab_size, (args.batch_size, model_cfg.context + 1), generator=gen)
+        loss, _ = loop.step(window[:, :-1], window[:, 1:])
+        return loss
+
+    phases: list[Phase] = []
+    timings: dict[str, list[float]] = {}
+    comm_times: dict[str, list[float]] = {"encode": [], "decode": []}
+    sends = applies = 0
+    cluster = LocalCluster(work, cfg_path, learners=1, steps=train_cfg.steps)
+    quiet = args.json
+    try:
+        cluster.start_synchronizer()
+        sync_pid = cluster.procs["synchronizer"].pid
+        if not quiet:
+            print(f"learner: built-in GPT d_model {model_cfg.d_model} n_layer {model_cfg.n_layer} context "
+                  f"{model_cfg.context} batch {args.batch_size} ({num_params(model) / 1e6:.2f}M params), "
+                  f"{threads} torch threads; protocol {protocol or 'defaults'}; synchronizer {cluster.target}",
+                  flush=True)
+        for repeat in range(args.repeats):
+            for _ in range(args.warmup):
+                inner_step()
+            with Phase("off", repeat, args.steps, sync_pid) as off_phase:
+                for _ in range(args.steps):
+                    inner_step()
+            phases.append(off_phase)
+            if not quiet:
+                print(f"  repeat {repeat} off: {phases[-1].steps_per_s:.2f} steps/s", flush=True)
+
+            sync = DecoupledSync(model, optimizer=loop.optimizer, config={"protocol": protocol},
+                                 synchronizer=cluster.target, learner_id=f"bench-{repeat}",
+                                 steps=args.warmup + args.steps, join_timeout_s=120.0,
+                                 model_ref=json.dumps({"bench": "learner", "model": model_fingerprint(model, model_cfg)}),
+                                 **({"codec": args.codec} if args.codec else {}))
+            with _comm_timing(sync, comm_times):
+                if sync.join(resume=False) is None:
+                    raise SyncError("told to drain before joining")
+                try:
+                    for _ in range(args.warmup):
+                        sync.step(tokens=tokens, loss=inner_step())
+                    before = {k: list(v) for k, v in sync.timings.items()}
+                    with Phase("on", repeat, args.steps, sync_pid) as on_phase:
+                        for _ in range(args.steps):
+                            sync.step(tokens=tokens, loss=inner_step())
+                    phases.append(on_phase)
+                    for phase, (calls, seconds) in sync.timings.items():
+                        b = before.get(phase, [0, 0.0])
+                        entry = timings.setdefault(phase, [0, 0.0])
+                        entry[0] += calls - b[0]
+                        entry[1] += seconds - b[1]
+                finally:
+                    sync.finish()
+            sends += int(sync.timings.get("handoff", [0, 0.0])[0])
+            applies += int(sync.timings.get("apply", [0, 0.0])[0])
+            if not quiet:
+                print(f"  repeat {repeat} on:  {phases[-1].steps_per_s:.2f} steps/s", flush=True)
+    except (SyncError, RuntimeError) as exc:
+        print(f"ddiloco bench learner: {exc} (synchronizer log: {work / 'logs' / 'synchronizer.log'})")
+        return 1
+    finally:
+        cluster.stop_all()
+
+    off = statistics.median(p.steps_per_s for p in phases if p.kind == "off")
+    on = statistics.median(p.steps_per_s for p in phases if p.kind == "on")
+    overhead = 1.0 - on / off
+    per_fragment = {k: 1e3 * timings[k][1] / timings[k][0] if timings.get(k, [0])[0] else 0.0
+                    for k in SYNC_PHASES}
+    per_fragment.update({k: 1e3 * statistics.mean(v) if v else 0.0 for k, v in comm_times.items()})
+    timed_steps = sum(p.steps for p in phases if p.kind == "on")
+
+    def cpu_ms(kind: str, attr: str) -> float:
+        return statistics.median(1e3 * getattr(p, attr) / p.steps for p in phases if p.kind == kind)
+    sync_step_ms = 1e3 * timings.get("step", [0, 0.0])[1] / max(1, timed_steps)
+    result = {
+        "benchmark": "learner", "machine": platform.machine(), "torch": torch.__version__, "threads": threads,
+        "model": {"d_model": model_cfg.d_model, "n_layer": model_cfg.n_layer, "n_head": model_cfg.n_head,
+                  "context": model_cfg.context, "params": num_params(model)},
+        "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "protocol": protocol, "codec": args.codec,
+        "steps_per_s_off": off, "steps_per_s_on": on, "step_ms": 1e3 / off, "step_ms_on": 1e3 / on,
+        "overhead": overhead, "goal": GOAL, "meets_goal": overhead < GOAL,
+        "overhead_means": "1 - median steps/s with DecoupledSync / median steps/s without, same model and "
+                          "loop, same process, measured in this run",
+        "learner_cpu_ms_per_step": {"off": cpu_ms("off", "cpu_s"), "on": cpu_ms("on", "cpu_s")},
+        "synchronizer_cpu_ms_per_step": {"off": cpu_ms("off", "sync_cpu_s"), "on": cpu_ms("on", "sync_cpu_s")},
+        "cpus": available_cpus(),
+        "sync_step_ms": sync_step_ms, "sync_step_fraction": sync_step_ms * off / 1e3,
+        "per_fragment_ms": per_fragment,
+        "per_fragment_thread": {**{k: "training" for k in SYNC_PHASES}, **{k: "communication" for k in COMM_PHASES}},
+        "counts": {"sends": sends, "applies": applies, "encodes": len(comm_times["encode"]),
+                   "decodes": len(comm_times["decode"]), "timed_sends": int(timings.get("handoff", [0])[0]),
+                   "timed_applies": int(timings.get("apply", [0])[0])},
+        "results": [p.row() for p in phases],
+    }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{'sync':>5} {'repeat':>6} {'steps/s':>9} {'ms/step':>8}")
+    for p in phases:
+        print(f"{p.kind:>5} {p.repeat:>6} {p.steps_per_s:>9.2f} {1e3 * p.seconds / p.steps:>8.2f}")
+    print(f"median: off {off:.2f} steps/s ({1e3 / off:.2f} ms), on {on:.2f} steps/s ({1e3 / on:.2f} ms); "
+          f"overhead {overhead * 100:+.2f}% (goal < {GOAL * 100:.0f}%: {'met' if overhead < GOAL else 'MISSED'})")
+    lc, sc = result["learner_cpu_ms_per_step"], result["synchronizer_cpu_ms_per_step"]
+    print(f"CPU ms per inner step: this process off {lc['off']:.1f}, on {lc['on']:.1f}; synchronizer process "
+          f"off {sc['off']:.1f}, on {sc['on']:.1f} ({result['cpus']} CPUs)")
+    print(f"DecoupledSync.step(): {sync_step_ms:.3f} ms per inner step "
+          f"({result['sync_step_fraction'] * 100:.2f}% of an off step)")
+    print(f"per fragment ({sends} sent, {applies} applied; encodes {len(comm_times['encode'])}, "
+          f"decodes {len(comm_times['decode'])}):")
+    for phase, ms in per_fragment.items():
+        print(f"  {phase:>15} {ms:>8.3f} ms  ({result['per_fragment_thread'][phase]} thread)")
+    print(f"wrote {out}")
+    return 0
+
+
+__all__ = ["main"]

@@ -1,0 +1,56 @@
+"""``ddiloco bench learner`` runs end to end (a real synchronizer process on loopback, a tiny
+built-in GPT trained with DecoupledSync off and on), reports its overhead against the 2% goal
+and where the time per fragment goes; bad options are refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ddiloco.lab.bench import learner as learner_bench
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "learner", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_tiny_run_reports_overhead_and_phases(tmp_path):
+    out, work = tmp_path / "learner.json", tmp_path / "work"
+    proc = _bench("--json", "--out", str(out), "--workdir", str(work), "--d-model", "32", "--n-layer", "2",
+                  "--context", "32", "--batch-size", "4", "--steps", "16", "--warmup", "4", "--repeats", "1",
+                  "--fragments", "4", "--sync-every", "4", "--overlap", "1", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout)
+    assert printed == json.loads(out.read_text())
+    assert printed["steps_per_s_off"] > 0 and printed["steps_per_s_on"] > 0
+    assert printed["step_ms"] > 0 and math.isfinite(printed["overhead"])
+    assert printed["overhead"] == 1 - printed["steps_per_s_on"] / printed["steps_per_s_off"]
+    assert printed["goal"] == 0.02 and printed["meets_goal"] == (printed["overhead"] < 0.02)
+    assert printed["protocol"] == {"num_fragments": 4, "sync_every": 4, "overlap": 1}
+    assert printed["model"]["d_model"] == 32 and printed["steps"] == 16 and printed["threads"] == 1
+    phases = printed["per_fragment_ms"]
+    assert set(phases) == {"gather", "outer_gradient", "handoff", "apply", "encode", "decode"}
+    assert all(ms >= 0 for ms in phases.values())
+    counts = printed["counts"]
+    assert counts["sends"] > 0 and counts["timed_sends"] > 0 and counts["encodes"] > 0
+    assert phases["gather"] > 0 and phases["encode"] > 0
+    assert [(r["sync"], r["steps"]) for r in printed["results"]] == [("off", 16), ("on", 16)]
+    assert (work / "logs" / "synchronizer.log").exists()  # the synchronizer ran, and was stopped
+
+
+def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "learner.json"
+    for args in (["--steps", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--d-model", "30", "--n-head", "4"],
+                 ["--overlap", "30", "--sync-every", "4"], ["--fragments", "500"]):
+        with pytest.raises(SystemExit) as exit_info:
+            learner_bench.main([*args, "--workdir", str(work), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "ddiloco bench learner: error:" in err, (args, err)
+        assert not work.exists() and not out.exists(), args  # no synchronizer, no results
+        if args == ["--steps", "0"]:
+            assert "--steps >= 1" in err
