@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from ddiloco.lab.event_logs import load_jsonl
 
@@ -160,10 +161,15 @@ def test_blocking_modes_run_and_wait_by_design(tmp_path, mode):
     if mode == "diloco":
         assert {e["fragment"] for e in applies} == {0}  # one fragment: the whole model
         assert sum(e["blocked_s"] for log in logs for e in log if e["event"] == "step") > 0
+    # the run's learners start their rounds together: one that started first and merged alone
+    # ran ahead, and both then waited on rounds the other could not reach until the round timeout
+    assert yaml.safe_load((s["_out"] / "config.yaml").read_text())["synchronizer"]["start_learners"] == 2
     for log in logs:
+        steps = [e for e in log if e["event"] == "step"]
+        assert max(e["blocked_s"] for e in steps) < 60, "a wait as long as the round timeout: out of phase"
         # nothing is waited for after the last step: the other learners may be waiting for the
         # contributions that ending hands over (waiting there deadlocked until wait_timeout_s)
-        last = [e for e in log if e["event"] == "step"][-1]
+        last = steps[-1]
         assert last["step"] == 40 and last["blocked_s"] == 0.0, last
 
 
