@@ -273,6 +273,46 @@ async def test_a_summed_part_whose_predecessor_was_merged_is_not_counted_twice(t
         await a.close()
 
 
+async def test_retained_versions_are_read_back_from_their_files_and_a_bad_one_rejects_what_needs_it(tmp_path):
+    # The synchronizer holds only the current parameters (and momentum): older versions for
+    # re-anchoring are read back from the committed files. A file that no longer verifies is
+    # forgotten, and a contribution on that base is rejected as stale (with a resync), once.
+    cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0),
+                      outer_lr=1.0, outer_momentum=0.0, merge_method="mean")
+    async with running_server(cfg) as server:
+        a, b = await _ready(server, "a", "b", step_time_s=10.0)
+        frag = server.engine.fragments[0]
+        theta0 = frag.params.clone()
+        _request(server)
+        s1 = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        assert (await a.wait_result(s1)).version == 1
+        assert list(frag.history) == [0, 1] and all(v is None for v in frag.history.values())
+        torch.testing.assert_close(frag.params_at(0), theta0)
+        assert frag.params_at(1) is frag.params
+        # a stale contribution re-anchored against version 0 read back from its file
+        theta1 = frag.params.clone()
+        d3 = _delta(3, b, 0)
+        _request(server)
+        s3 = await b.contribute(0, d3, base_version=0)
+        r3 = await b.wait_result(s3)
+        assert (r3.outcome, r3.version, r3.staleness) == ("merged", 2, 1)
+        torch.testing.assert_close(frag.params, theta1 - (d3 + theta1 - theta0), rtol=1e-5, atol=1e-6)
+        # version 1's file goes bad on disk: a contribution on base 1 is rejected, not retried forever
+        path = tmp_path / "fragments" / "p0000" / "v000000000001.frag"
+        blob = bytearray(path.read_bytes())
+        blob[200] ^= 0xFF
+        path.write_bytes(bytes(blob))
+        _request(server)
+        s4 = await a.contribute(0, _delta(4, a, 0), base_version=1)
+        await eventually(lambda: 1 not in frag.history, what="the bad version forgotten")
+        _request(server)  # the contribution kept by the failed merge waits for the next round
+        r4 = await a.wait_result(s4)
+        assert (r4.outcome, r4.reason) == ("rejected", "stale") and 1 not in frag.history
+        assert frag.version == 2
+        for lr in (a, b):
+            await lr.close()
+
+
 async def test_dropped_stream_leaves_the_quorum_at_once(tmp_path):
     # K=0 (all live): with b gone, a alone is "all live" and merges immediately.
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=0, grace_gamma=0.0, max_grace_s=0.0, timeout_s=60))

@@ -145,6 +145,8 @@ class Engine:
 
     def _install(self, state: LoadedState) -> None:
         self.state = state
+        for p, frag in state.fragments.items():  # every version is committed before it is current
+            frag.keep_on_disk(functools.partial(self.store.read_params, p, num_values=frag.spec.numel))
         self.ledger.merges_total = state.merges
         for p, frag in state.fragments.items():
             self.metrics.version.labels(str(p)).set(frag.version)

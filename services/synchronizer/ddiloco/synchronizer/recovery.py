@@ -10,6 +10,7 @@ committed merges are returned too, for the rejoin hold.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ddiloco.fragments.partition import FragmentLayout
@@ -52,7 +53,7 @@ def load_state(store: StateStore, *, protocol: dict, owned: list[int], history: 
         if latest is None:
             raise StateError(f"state dir {store.root} has no verifiable version of fragment {p}")
         frag = GlobalFragment(spec, latest.params, latest.momentum, latest.version, merges=latest.merges,
-                              history_size=history)
+                              history_size=history, reader=functools.partial(store.read_params, p, num_values=spec.numel))
         frag.history.clear()
         for rec in [*older, latest]:
             frag.remember(rec.version, rec.params)

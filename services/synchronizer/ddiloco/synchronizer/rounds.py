@@ -46,7 +46,7 @@ from ddiloco.synchronizer.broadcast import GlobalTransfer
 from ddiloco.synchronizer.global_fragment import GlobalFragment
 from ddiloco.synchronizer.inbox import Contribution, Inbox, SealedRound
 from ddiloco.synchronizer.ledger import Ledger
-from ddiloco.synchronizer.store import FragmentRecord
+from ddiloco.synchronizer.store import FragmentRecord, StateError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +176,7 @@ class FragmentRound:
             # An entry may carry older parts with older bases: the oldest decides (each part is
             # re-anchored against its own base in _compute).
             bases = c.bases()
-            retained = not point or all(b == version or frag.params_at(b) is not None for b in bases)
+            retained = not point or all(frag.retains(b) for b in bases)
             verdict = staleness_verdict(min(bases), version, settings.staleness_window, retained=retained)
             if verdict is not None:
                 ctx.ledger.reject(c, verdict.reason, verdict.detail, resync=True)
@@ -240,6 +240,7 @@ class FragmentRound:
         point = settings.stale_anchor == "point"
         if any(staleness) and point and deltas.data_ptr() == sealed.deltas.data_ptr():
             deltas = deltas.clone()  # keep the sealed rows intact in case the round is requeued
+        bases: dict[int, torch.Tensor] = {}  # read back from the store once per merge
         for row, s in enumerate(staleness):
             if s == 0 or not point:
                 continue
@@ -247,9 +248,13 @@ class FragmentRound:
             # learner applied a merge meanwhile) may hold progress that merge already counted.
             for b in sealed.entries[keep[row]].bases():
                 if b != version:
-                    base = frag.params_at(b)
-                    assert base is not None
-                    deltas[row].add_(current).sub_(base)
+                    if b not in bases:
+                        base = frag.params_at(b)
+                        if base is None:  # its file went bad: forget it, so the retry rejects what needs it
+                            frag.history.pop(b, None)
+                            raise StateError(f"fragment {self.index}: retained version {b} no longer verifies")
+                        bases[b] = base
+                    deltas[row].add_(current).sub_(bases[b])
         merged = merge_deltas(deltas, weights, self._segments, self._embedding, settings.method)
         if scale != 1.0:
             merged = merged * scale

@@ -24,6 +24,7 @@ can be exported with what builds them. State dirs from before that field simply 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import pathlib
 import struct
@@ -178,31 +179,54 @@ class StateStore:
 
     def read(self, fragment: int, version: int, num_values: int) -> FragmentRecord | None:
         """Load and verify one version file; None if it is missing, torn or corrupt."""
+        return self._read(fragment, version, num_values, momentum=True)
+
+    def read_params(self, fragment: int, version: int, num_values: int) -> torch.Tensor | None:
+        """Only the parameters of one verified version file (None if missing, torn or corrupt):
+        what re-anchoring a stale contribution needs. The file is mapped, not read into memory,
+        so the only allocation is the returned tensor."""
+        rec = self._read(fragment, version, num_values, momentum=False)
+        return rec.params if rec is not None else None
+
+    def _read(self, fragment: int, version: int, num_values: int, *, momentum: bool) -> FragmentRecord | None:
         path = self._dir(fragment) / self._name(version)
         try:
-            blob = path.read_bytes()
-        except OSError:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < len(MAGIC) + _LEN.size + 16:
+                    return None
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+                    return self._parse(memoryview(blob), fragment, version, num_values, momentum)
+        except (OSError, ValueError):
             return None
-        if len(blob) < len(MAGIC) + _LEN.size + 16 or blob[:len(MAGIC)] != MAGIC:
-            return None
-        if xxhash.xxh3_128_digest(memoryview(blob)[:-16]) != blob[-16:]:
-            return None
-        (hlen,) = _LEN.unpack_from(blob, len(MAGIC))
-        start = len(MAGIC) + _LEN.size
+
+    @staticmethod
+    def _parse(blob: memoryview, fragment: int, version: int, num_values: int,
+               with_momentum: bool) -> FragmentRecord | None:
         try:
-            header = json.loads(blob[start:start + hlen])
-        except json.JSONDecodeError:
-            return None
-        body = start + hlen
-        n = int(header["num_values"])
-        if n != num_values or header["fragment"] != fragment or header["version"] != version:
-            return None
-        if len(blob) != body + 8 * n + 16:
-            return None
-        params = torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body).copy())
-        momentum = torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body + 4 * n).copy())
-        return FragmentRecord(fragment, version, params, momentum, int(header.get("merges", 0)),
-                              float(header.get("committed_at", 0.0)), header.get("contributors") or {})
+            if bytes(blob[:len(MAGIC)]) != MAGIC:
+                return None
+            if xxhash.xxh3_128_digest(blob[:-16]) != bytes(blob[-16:]):
+                return None
+            (hlen,) = _LEN.unpack_from(blob, len(MAGIC))
+            start = len(MAGIC) + _LEN.size
+            try:
+                header = json.loads(bytes(blob[start:start + hlen]))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return None
+            body = start + hlen
+            n = int(header["num_values"])
+            if n != num_values or header["fragment"] != fragment or header["version"] != version:
+                return None
+            if len(blob) != body + 8 * n + 16:
+                return None
+            params = torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body).copy())
+            momentum = (torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body + 4 * n).copy())
+                        if with_momentum else torch.empty(0))
+            return FragmentRecord(fragment, version, params, momentum, int(header.get("merges", 0)),
+                                  float(header.get("committed_at", 0.0)), header.get("contributors") or {})
+        finally:
+            blob.release()
 
     def load_latest(self, fragment: int, num_values: int) -> tuple[FragmentRecord | None, list[FragmentRecord]]:
         """The newest verifiable version and the older verifiable ones (history, ascending)."""
