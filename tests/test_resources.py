@@ -38,3 +38,16 @@ def test_a_fractional_limit_rounds_up_and_never_exceeds_affinity(tmp_path):
 
 def test_this_machine():
     assert 1 <= available_cpus() <= (os.cpu_count() or 1)
+
+
+def test_the_mmap_threshold_is_fixed_on_glibc_unless_the_operator_set_it(monkeypatch):
+    import ctypes.util
+    import platform
+
+    from ddiloco.core.resources import fix_mmap_threshold
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    glibc = platform.libc_ver()[0] == "glibc" and ctypes.util.find_library("c") is not None
+    assert fix_mmap_threshold() is glibc
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    assert fix_mmap_threshold() is False, "the operator's setting wins"

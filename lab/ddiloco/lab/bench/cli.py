@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "codec": "ddiloco.lab.bench.codec",
     "learner": "ddiloco.lab.bench.learner",
+    "memory": "ddiloco.lab.bench.memory",
     "merge": "ddiloco.lab.bench.merge",
     "quality": "ddiloco.lab.bench.quality",
     "wire": "ddiloco.lab.bench.wire",

@@ -11,6 +11,7 @@ import sys
 from ddiloco.core.config import read_document
 from ddiloco.core.logs import configure, get_logger
 from ddiloco.core.modes import MODES
+from ddiloco.core.resources import fix_mmap_threshold
 from ddiloco.synchronizer.config import SynchronizerConfig, synchronizer_config
 
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", help="write {port, ...} JSON here once serving (for orchestration)")
     args = parser.parse_args(argv)
     configure()
+    fix_mmap_threshold()  # merged fragments come and go at every merge: return them to the system
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
