@@ -16,7 +16,6 @@ speed of at least 1 GB/s with 2 threads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -30,6 +29,7 @@ import torch
 import zstandard
 
 from ddiloco.fragments.codec import Bf16ZstdCodec, Codec, Fp32Codec, Int4BlockCodec, Int8BlockCodec
+from ddiloco.lab.bench import save_result
 
 TARGET_BF16_RATIO = 1.4
 TARGET_ENCODE_MBPS = 1000.0
@@ -235,7 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     if load and load[0] > 0.5 * (os.cpu_count() or 1):
         print(f"note: load average {load[0]:.1f} on {os.cpu_count()} CPUs: other work shared the cores, so wall-clock "
               "speeds are low; the per-CPU-second columns are less affected")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    save_result(doc, args.out)
     print(f"wrote {args.out}")
     return 0

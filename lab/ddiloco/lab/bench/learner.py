@@ -42,6 +42,7 @@ import torch
 import yaml
 
 from ddiloco.core.resources import available_cpus
+from ddiloco.lab.bench import save_result
 
 GOAL = 0.02
 SYNC_PHASES = ("gather", "outer_gradient", "handoff", "apply")
@@ -281,9 +282,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                    "timed_applies": int(timings.get("apply", [0])[0])},
         "results": [p.row() for p in phases],
     }
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = save_result(result, args.out)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -48,6 +48,7 @@ from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.codec import CODEC_NAMES, make_codec
 from ddiloco.fragments.partition import FragmentLayout, TensorSpec, partition
 from ddiloco.fragments.payload import encode_fragment
+from ddiloco.lab.bench import save_result
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import SyncStream, get_status, message_limit, open_channel
 from ddiloco.protocol.config import ProtocolConfig
@@ -461,9 +462,7 @@ def _run(args: argparse.Namespace, layout: FragmentLayout, protocol: ProtocolCon
     result = _result(args, protocol, run, peak, time.perf_counter() - t0)
     result["synchronizer_pid"] = proc.pid
     if args.out:
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        save_result(result, args.out)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import pathlib
 import platform
 import socket
 import time
@@ -36,6 +35,7 @@ from ddiloco.fragments.chunking import Reassembler, Transfer
 from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
+from ddiloco.lab.bench import save_result
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import client_options, message_limit
 from ddiloco.protocol.config import ProtocolConfig
@@ -277,9 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                        "chunk and options (1.0: no cost over the socket)",
         "results": rows,
     }
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = save_result(result, args.out)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
