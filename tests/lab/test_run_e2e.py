@@ -6,6 +6,7 @@ fragment advanced, loss fell far below its start, and the summary's numbers agre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -239,3 +240,62 @@ def test_late_learner_fetches_state_and_contributes(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def test_sigterm_stops_the_run_and_every_process_it_started(tmp_path):
+    cfg, out = tmp_path / "cfg.yaml", tmp_path / "run"
+    cfg.write_text(TINY)
+    run = subprocess.Popen([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
+                            "--no-progress", "--learners", "2", "--steps", "100000"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+
+        def training() -> bool:
+            logs = [out / "learners" / f"learner-{i}.jsonl" for i in range(2)]
+            return all(p.exists() and any(e["event"] == "step" for e in load_jsonl(p)) for p in logs)
+
+        while not training():
+            assert run.poll() is None, run.stderr.read()[-3000:] if run.stderr else ""
+            assert time.monotonic() < deadline, "the learners never trained"
+            time.sleep(0.2)
+        children = _children(run.pid)
+        assert len(children) >= 3  # the synchronizer and two learners
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 128 + signal.SIGTERM
+        left = [pid for pid in children if not _gone(pid, within_s=5)]
+        assert not left, f"processes left running after SIGTERM: {left}"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        for pid in children:
+            if not _gone(pid, within_s=0):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -205,6 +205,16 @@ def add_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> None:
         summary["invariants"]["eval_loss_vs_no_fault"] = gap
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a scheduler's stop, a timeout, ``kill PID``) unwind this process like Ctrl-C
+    does, so ``finally`` blocks stop the processes it started rather than leaving them behind."""
+
+    def terminated(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddiloco run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddiloco.core.logs import configure
 
     configure(json=True)
+    exit_on_sigterm()
     try:
         run_cfg, doc = resolve(args)
         validate(doc)
