@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -123,7 +124,9 @@ class Ledger:
         self.event({"event": "merge", "fragment": fragment, "version": version, "round": round_no,
                     "wait_s": wait_s, "quorum": len(contributions),
                     "learners": [c.learner_id for c in contributions], "grace_s": grace_s, "sync_s": sync_s,
-                    "staleness": staleness, "scale": scale,
+                    "staleness": staleness, "scale": scale, "merge_s": merge_s, "commit_s": commit_s,
+                    # this process's CPU seconds so far: CPU per merge is the difference between merges
+                    "cpu_s": time.process_time(),
                     "contributions": [[p.learner_id, p.incarnation, p.sequence]
                                       for c in contributions for p in c.parts()]})
 
