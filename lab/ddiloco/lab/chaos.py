@@ -172,7 +172,7 @@ class FaultPlan:
             t += rng.expovariate(1 / mtbf)
         if "sync" in kinds and not any(e.kind == "kill_synchronizer" for e in plan.events):
             plan.kill_synchronizer(at_s=horizon * rng.uniform(0.3, 0.6), restart_after_s=2.0)
-        plan.events.sort(key=lambda e: e.at_s)
+        plan.events.sort(key=lambda e: e.at_s or 0.0)  # random plans give every event a time
         return plan
 
 

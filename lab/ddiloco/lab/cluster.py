@@ -221,7 +221,12 @@ class LocalCluster:
         proc = self._proc(e.target)
         proc.send_signal(signal.SIGSTOP)
         assert self.driver is not None
-        self.driver.later(e.duration_s, lambda: proc.poll() is None and proc.send_signal(signal.SIGCONT))
+
+        def resume() -> None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+
+        self.driver.later(e.duration_s, resume)
 
     def _kill_synchronizer(self, e: FaultEvent) -> None:
         proc = self._proc("synchronizer")

@@ -313,8 +313,10 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
             for frag in layout:
                 p = frag.index
                 for learner in learners:  # answer the synchronizer's request, as a learner does
-                    await _until(lambda lr=learner, p=p: lr.requested.get(p, 0) > lr.answered.get(p, 0),
-                                 check(learner), timeout_s, f"a request for fragment {p}")
+                    def asked(lr: SyntheticLearner = learner, p: int = p) -> bool:
+                        return lr.requested.get(p, 0) > lr.answered.get(p, 0)
+
+                    await _until(asked, check(learner), timeout_s, f"a request for fragment {p}")
                     learner.answered[p] = learner.requested[p]
                 sends = []
                 for i, learner in enumerate(learners):
@@ -324,7 +326,10 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
                     sends.append(learner.contribute(p, delta, versions[p] - 1 if stale else versions[p]))
                 seqs = await asyncio.gather(*sends)
                 for learner, seq in zip(learners, seqs, strict=True):
-                    await _until(lambda lr=learner, s=seq: s in lr.results, check(learner), timeout_s,
+                    def answered(lr: SyntheticLearner = learner, s: int = seq) -> bool:
+                        return s in lr.results
+
+                    await _until(answered, check(learner), timeout_s,
                                  f"the result of {learner.learner_id}'s contribution to fragment {p}")
                     result = learner.results[seq]
                     counts["contributions"] += 1

@@ -108,14 +108,16 @@ def run_case(case: Case) -> dict:
         for i, r in enumerate(replicas):
             delta = bases[i] - parameters_to_vector(r.parameters()).detach()
             if i < case.late and step != case.steps:
-                if held[i] is not None:
-                    old, old_base = held[i]
+                pending = held[i]
+                if pending is not None:
+                    old, old_base = pending
                     rows.append(old + (glob - old_base) if case.anchor == "point" else old)
                     stale_rows += 1
                 held[i] = (delta, bases[i].clone())
             else:
-                if i < case.late and held[i] is not None:  # the last round: both arrive
-                    old, old_base = held[i]
+                pending = held[i]
+                if i < case.late and pending is not None:  # the last round: both arrive
+                    old, old_base = pending
                     delta = delta + (old + (glob - old_base) if case.anchor == "point" else old)
                 rows.append(delta)
         if rows:

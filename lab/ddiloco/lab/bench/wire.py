@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import torch
 
-from ddiloco.fragments.chunking import Reassembler, Transfer
+from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer
 from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
@@ -165,7 +165,10 @@ async def _grpc_round_trips(port: int, make_chunks: Callable[[], list[Any]], fin
             reassembler = Reassembler(max_chunk_bytes=max_chunk_bytes, max_payload_bytes=1 << 34)
             transfer = None
             async for raw in call:
-                transfer = reassembler.feed(wire.synchronizer_message_from_pb(raw))
+                message = wire.synchronizer_message_from_pb(raw)
+                if not isinstance(message, Chunk):
+                    continue
+                transfer = reassembler.feed(message)
                 if transfer is not None:
                     break
             await sender
