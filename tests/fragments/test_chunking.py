@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer, TransferHeader, crc32c, split
-from ddiloco.fragments.codec import CODEC_NAMES, make_codec
+from ddiloco.fragments.codec import CODEC_NAMES, Int2BlockCodec, make_codec
 from ddiloco.fragments.errors import (
     ChecksumError,
     ChunkError,
@@ -100,8 +100,8 @@ def test_several_transfers_on_one_stream() -> None:
 
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)
 def test_one_corrupted_byte_in_any_chunk_is_detected(codec_name: str) -> None:
-    # Enough values for at least three chunks with every codec (int4_block: 0.56 bytes a value).
-    values = torch.randn(6000, generator=torch.Generator().manual_seed(0)) * 0.02
+    # Enough values for at least three chunks with every codec (int2_block: 0.31 bytes a value).
+    values = torch.randn(10000, generator=torch.Generator().manual_seed(0)) * 0.02
     payload = make_codec(codec_name, threads=1).encode(values)
     chunks = _chunks(payload, chunk=997)
     assert len(chunks) >= 3
@@ -314,6 +314,12 @@ def test_fragment_round_trip(codec_name: str, fragment_id: int) -> None:
         assert torch.equal(decoded, values.to(torch.bfloat16).float())
     elif codec_name == "int4_block":
         assert (decoded - values).abs().max() <= values.abs().max() / 7 / 2 * (1 + 1e-5)
+    elif codec_name == "int2_block":
+        # Half a step within +-1.5104 sigma of the block; beyond, clipped to the outer level.
+        codec = Int2BlockCodec()
+        clipped = values.abs() - 1.5104 * codec.sigma(values)
+        bound = torch.maximum(codec.quantization_step(values) / 2, clipped) * (1 + 1e-5)
+        assert bool(((decoded - values).abs() <= bound).all())
     else:
         assert (decoded - values).abs().max() <= values.abs().max() / 127
     assert check_header(header, LAYOUT) is fragment

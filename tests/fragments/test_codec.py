@@ -321,7 +321,7 @@ def test_bf16_zstd_rejects_previous_format_version() -> None:
 
 
 def test_make_codec_and_names() -> None:
-    assert CODEC_NAMES == ("fp32", "bf16_zstd", "int8_block", "int4_block")
+    assert CODEC_NAMES == ("fp32", "bf16_zstd", "int8_block", "int4_block", "int2_block")
     for name in CODEC_NAMES:
         assert make_codec(name).name == name
     assert make_codec("bf16_zstd", zstd_level=3, threads=1).level == 3
@@ -455,6 +455,7 @@ def test_codec_benchmark_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def
     for result in doc["results"].values():
         assert result["memcpy_MBps"] > 0
         rows = {r["codec"]: r for r in result["codecs"]}
-        assert set(rows) == {"fp32", "bf16_zstd level 1", "bf16_zstd level 3", "int8_block", "int4_block"}
+        assert set(rows) == {"fp32", "bf16_zstd level 1", "bf16_zstd level 3", "int8_block", "int4_block",
+                             "int2_block"}
         assert rows["fp32"]["ratio_vs_fp32"] == 1.0 and rows["bf16_zstd level 1"]["bf16_ratio"] > 1.2
         assert all(r["encode_MBps"] > 0 and r["encode_vs_memcpy"] > 0 for r in rows.values())

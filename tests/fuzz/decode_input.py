@@ -7,7 +7,8 @@ chosen by its first byte:
 ``mode 0, "frames"`` (first byte even): a transfer built from the input and cut into chunks::
 
     [0]      mode
-    [1]      codec: the byte mod 5 -> fp32, bf16_zstd, int8_block, an unknown name, int4_block
+    [1]      codec: the byte mod 6 -> fp32, bf16_zstd, int8_block, an unknown name, int4_block,
+             int2_block
     [2]      header faults: bits 0-1 fragment id (0, 1, 2 = unknown, 2**32-1); bit 2 one value too
              many; bit 3 first tensor flattened; bit 4 first tensor bfloat16; bit 5 last tensor
              dropped; bit 6 kind "global"; bit 7 first tensor renamed
@@ -53,7 +54,7 @@ LAYOUT = partition([
     TensorSpec("blocks.0.mlp.bias", (15,)),  # an odd value count: bf16 codes end in a padding nibble
     TensorSpec("head.weight", (8, 12)),
 ], 2)
-CODECS = ("fp32", "bf16_zstd", "int8_block", "zstd9", "int4_block")
+CODECS = ("fp32", "bf16_zstd", "int8_block", "zstd9", "int4_block", "int2_block")
 MAX_CHUNK_BYTES = 1024
 """The reassembler's chunk limit: below libFuzzer's 4 KiB inputs, so oversized chunks are reachable."""
 MAX_PAYLOAD_BYTES = 1 << 20

@@ -5,7 +5,7 @@ constants that make zstd planes, wide magnitudes that make bf16 exponent escapes
 and subnormals, an int8 block size other than the default), each as a chunked "frames" input and
 as serialized ``FragmentChunk`` "wire" records, plus mutations of them that reach each refusal
 (truncated and flipped payloads, reordered and corrupt chunks, wrong headers, non-finite values,
-an unknown codec). Deterministic: running it again rewrites the same files.
+non-zero int2_block padding bits, an unknown codec). Deterministic: running it again rewrites the same files.
 
     python tests/fuzz/make_corpus.py [OUT_DIR]
 """
@@ -57,7 +57,7 @@ def encode(codec_name: str, kind: str, fragment: int, block: int = 256) -> bytes
 
 def seeds() -> dict[str, bytes]:
     out: dict[str, bytes] = {}
-    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block"):
+    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block", "int2_block"):
         for fragment in (0, 1):
             out[f"frames-{codec}-weights-f{fragment}"] = frames_input(encode(codec, "weights", fragment),
                                                                       codec=codec, fragment=fragment)
@@ -74,8 +74,11 @@ def seeds() -> dict[str, bytes]:
         make_codec("fp32").encode(torch.tensor([float("nan")] * LAYOUT[0].numel)), codec="fp32")
     out["frames-fp32-wrong-shape"] = frames_input(encode("fp32", "weights", 0), codec="fp32", header_flags=8)
     out["frames-int8_block-digest"] = frames_input(encode("int8_block", "weights", 0), codec="int8_block", declared=1)
+    padded = bytearray(encode("int2_block", "weights", 0))  # 143 values: the last byte's top 2 bits pad
+    padded[-1] |= 0xC0
+    out["frames-int2_block-padding"] = frames_input(bytes(padded), codec="int2_block")
     out["frames-unknown-codec"] = frames_input(encode("fp32", "zeros", 1), codec="zstd9", fragment=1)
-    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block"):
+    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block", "int2_block"):
         frag = LAYOUT[1]
         chunks = encode_fragment(values("weights", frag.numel), frag, codec=make_codec(codec, threads=1),
                                  kind="contribution", version=1, transfer_id=3, layout_hash="layout-fuzz",

@@ -69,11 +69,11 @@ def test_every_seed_runs_clean_through_the_target_logic():
     from tests.fuzz import decode_input
 
     seeds = sorted(CORPUS.iterdir())
-    assert 10 <= len(seeds) <= 30 and sum(p.stat().st_size for p in seeds) < 200_000
+    assert 10 <= len(seeds) <= 40 and sum(p.stat().st_size for p in seeds) < 200_000
     outcomes = {p.name: decode_input.run_one(p.read_bytes()) for p in seeds}
     for mode in ("frames-", "wire-"):
         mine = {n: o for n, o in outcomes.items() if n.startswith(mode)}
         assert any(o.decoded for o in mine.values()), f"no {mode} seed decodes"
         assert any(o.refused for o in mine.values()), f"no {mode} seed is refused"
-    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block"):
+    for codec in ("fp32", "bf16_zstd", "int8_block", "int4_block", "int2_block"):
         assert any(o.decoded for n, o in outcomes.items() if codec in n), f"no {codec} seed decodes"

@@ -28,7 +28,14 @@ import numpy as np
 import torch
 import zstandard
 
-from ddiloco.fragments.codec import Bf16ZstdCodec, Codec, Fp32Codec, Int4BlockCodec, Int8BlockCodec
+from ddiloco.fragments.codec import (
+    Bf16ZstdCodec,
+    Codec,
+    Fp32Codec,
+    Int2BlockCodec,
+    Int4BlockCodec,
+    Int8BlockCodec,
+)
 from ddiloco.lab.bench import save_result
 
 TARGET_BF16_RATIO = 1.4
@@ -116,6 +123,7 @@ def _codecs(threads: int) -> list[tuple[str, Codec]]:
         ("bf16_zstd level 3", Bf16ZstdCodec(level=3, threads=threads)),
         ("int8_block", Int8BlockCodec()),
         ("int4_block", Int4BlockCodec()),
+        ("int2_block", Int2BlockCodec()),
     ]
 
 
@@ -138,7 +146,7 @@ def _measure(values: torch.Tensor, threads: int, repeat: int) -> dict[str, Any]:
             raise AssertionError("fp32 round trip is not exact")
         if codec.name == "bf16_zstd" and not torch.equal(decoded, reference_bf16):
             raise AssertionError(f"{label} does not reproduce torch's bf16 rounding")
-        row = {
+        row: dict[str, Any] = {
             "codec": label, "name": codec.name, "encoded_bytes": len(payload),
             "ratio_vs_fp32": fp32_bytes / len(payload),
             "encode_MBps": fp32_bytes / encode_s / 1e6, "decode_MBps": fp32_bytes / decode_s / 1e6,

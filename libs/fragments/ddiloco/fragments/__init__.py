@@ -2,7 +2,7 @@
 
 The data path, one module per stage: ``partition`` (tensors -> P fragments) -> ``schedule``
 (which fragment falls due when) -> ``outer_gradient`` (fp32 Delta = base - theta) -> ``codec``
-(bf16 + byte planes + zstd, fp32, int8, int4) with ``error_feedback`` -> ``chunking`` (bounded chunks,
+(bf16 + byte planes + zstd, fp32, int8, int4, int2) with ``error_feedback`` -> ``chunking`` (bounded chunks,
 CRC-32C, digest, strict reassembly) -> ``payload`` (layout checks and decode) -> ``wire``
 (protobuf messages; the only importer of the generated code).
 """
@@ -20,6 +20,7 @@ from ddiloco.fragments.codec import (
     Bf16ZstdCodec,
     Codec,
     Fp32Codec,
+    Int2BlockCodec,
     Int4BlockCodec,
     Int8BlockCodec,
     make_codec,
@@ -48,7 +49,7 @@ from ddiloco.fragments.schedule import FragmentSchedule
 __all__ = [
     "CODEC_NAMES", "DEFAULT_MAX_CHUNK_BYTES", "Bf16ZstdCodec", "ChecksumError", "Chunk", "ChunkError", "Codec",
     "CodecError", "DTypeMismatchError", "DuplicateChunkError", "ErrorFeedback", "Fp32Codec", "Fragment",
-    "FragmentError", "FragmentLayout", "FragmentSchedule", "HeaderError", "Int4BlockCodec", "Int8BlockCodec",
+    "FragmentError", "FragmentLayout", "FragmentSchedule", "HeaderError", "Int2BlockCodec", "Int4BlockCodec", "Int8BlockCodec",
     "LayoutMismatchError", "MissingChunkError", "NonFiniteError", "OversizedChunkError", "Reassembler",
     "ReorderedChunkError", "ShapeMismatchError", "TensorSpec", "Transfer", "TransferHeader", "check_header",
     "decode_fragment", "encode_fragment", "gather", "make_codec", "outer_gradient", "partition",

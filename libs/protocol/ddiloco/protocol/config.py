@@ -25,8 +25,9 @@ class ProtocolConfig:
     max_chunk_bytes: int = 4 * 1024 * 1024 - 64 * 1024
     """Largest chunk of a transfer; gRPC message limits are set from it."""
     global_codec: CodecName = "bf16_zstd"
-    """Codec of merged global fragments sent to learners: bf16_zstd, fp32, int8_block or int4_block
-    (the last two are meant for outer gradients: parameters sent in them lose precision for good)."""
+    """Codec of merged global fragments sent to learners: bf16_zstd, fp32, int8_block, int4_block or
+    int2_block (the last three are meant for outer gradients: parameters sent in them lose precision
+    for good)."""
 
     def __post_init__(self) -> None:
         if self.num_fragments < 1 or self.sync_every < 1:

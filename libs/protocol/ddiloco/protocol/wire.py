@@ -30,7 +30,7 @@ LearnerMessagePB = pb.LearnerMessage
 SynchronizerMessagePB = pb.SynchronizerMessage
 
 _CODECS = {"fp32": pb.CODEC_FP32, "bf16_zstd": pb.CODEC_BF16_ZSTD, "int8_block": pb.CODEC_INT8_BLOCK,
-           "int4_block": pb.CODEC_INT4_BLOCK}
+           "int4_block": pb.CODEC_INT4_BLOCK, "int2_block": pb.CODEC_INT2_BLOCK}
 _CODECS_BY_VALUE = {v: k for k, v in _CODECS.items()}
 _DTYPES = {"float32": pb.DTYPE_FLOAT32, "bfloat16": pb.DTYPE_BFLOAT16, "float16": pb.DTYPE_FLOAT16,
            "float64": pb.DTYPE_FLOAT64}
@@ -97,7 +97,7 @@ class Hello:
     model_fingerprint: str
     layout_hash: str
     protocol: ProtocolParams
-    codecs: tuple[str, ...] = ("bf16_zstd", "fp32", "int8_block", "int4_block")
+    codecs: tuple[str, ...] = ("bf16_zstd", "fp32", "int8_block", "int4_block", "int2_block")
     held: dict[int, int] = field(default_factory=dict)
     software_version: str = ""
     incarnation: int = 0

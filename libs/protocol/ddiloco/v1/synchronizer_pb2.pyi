@@ -22,6 +22,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_BF16_ZSTD: _ClassVar[Codec]
     CODEC_INT8_BLOCK: _ClassVar[Codec]
     CODEC_INT4_BLOCK: _ClassVar[Codec]
+    CODEC_INT2_BLOCK: _ClassVar[Codec]
 
 class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,6 +74,7 @@ CODEC_FP32: Codec
 CODEC_BF16_ZSTD: Codec
 CODEC_INT8_BLOCK: Codec
 CODEC_INT4_BLOCK: Codec
+CODEC_INT2_BLOCK: Codec
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_CONTRIBUTION: PayloadKind
 PAYLOAD_KIND_GENESIS: PayloadKind
