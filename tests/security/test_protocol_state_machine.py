@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from ddiloco.fragments.chunking import Chunk, crc32c
-from ddiloco.fragments.codec import make_codec
+from ddiloco.fragments.codec import CODEC_NAMES, make_codec
 from ddiloco.fragments.partition import TensorSpec
 from ddiloco.fragments.payload import encode_fragment
 from ddiloco.protocol import wire
@@ -328,7 +328,7 @@ class ProtocolMachine(RuleBasedStateMachine):
               "fragment_id": st.integers(2, (1 << 32) - 1),
               "ahead": st.integers(1, 1 << 40),
               "behind": st.integers(0, 1 << 16),
-              "codec": st.sampled_from(["fp32", "bf16_zstd", "int8_block", "int4_block"]),
+              "codec": st.sampled_from(list(CODEC_NAMES)),
               "garbage": st.binary(max_size=64),
               "block_size": st.sampled_from([1, 7, (1 << 20) + 1, (1 << 32) - 1]),
           }))
