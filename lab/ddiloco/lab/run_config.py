@@ -80,9 +80,10 @@ def merge_documents(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, An
     return out
 
 
-def resolve(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
-    """Defaults, then the config file, then flags: the run's settings and its whole document."""
-    file_doc = read_document(args.config)
+def resolve(args: argparse.Namespace, file_doc: dict[str, Any] | None = None) -> tuple[RunConfig, dict[str, Any]]:
+    """Defaults, then the config file (or ``file_doc``, a document already read), then flags: the
+    run's settings and its whole document."""
+    file_doc = read_document(args.config) if file_doc is None else file_doc
     check_sections(file_doc, args.config or "config")
     section = dict(file_doc.get("run") or {})
     section.update({k: getattr(args, k) for k in ("learners", "steps", "mode", "seed")

@@ -1,0 +1,218 @@
+"""``ddiloco bench scale``: the whole system's throughput, tokens per second of ``ddiloco run``
+with 1, 2, 3, 4 learners against one learner alone, and the synchronizer's CPU per merge.
+
+Every point is a real ``ddiloco run`` (its own synchronizer and learner processes on loopback,
+the same commands a deployment runs), one after the other in this run. "alone" is ``ddiloco run
+--mode dp --learners 1``: the same model, batch and inner step in one process with nothing to
+synchronise, on every CPU of the machine (a learner alone in a fleet gets them all as well).
+
+- ``tokens_per_s`` = the fleet's tokens / its training window (from the first step's start to the
+  last step's end; process start, the genesis upload and the final evaluation are outside it).
+  The global model is not evaluated while the runs train (``global_eval_every_s`` 0), since
+  that evaluation would take the same cores.
+- ``ratio`` = ``tokens_per_s`` / alone's. What a fleet could reach depends on its cores: a
+  learner gets max(1, CPUs // learners) torch threads, and a small model does not run twice as
+  fast on two threads as on one. So alone is also run on one thread (``alone_1_thread``), and a
+  fleet's ``ideal_tokens_per_s`` = max(alone, min(learners, CPUs) x alone on one thread): the
+  machine's cores all busy the better of the two ways, with nothing spent on synchronisation.
+  ``efficiency`` = ``tokens_per_s`` / ideal. What falls short is synchronisation overhead on the
+  learners, the synchronizer's own CPU (on the same cores here, not in a deployment) and the cost
+  of more processes than cores. With a core set per learner, ideal is n x alone.
+- ``sync_cpu_ms_per_merge``: the synchronizer process's CPU seconds from its first merge to its
+  last (every merge event carries ``cpu_s``), over the merges in between: receiving, decoding,
+  merging, committing and broadcasting, all of it. ``sync_cores`` is that CPU over the same
+  wall time.
+- ``step_ms`` (compute per inner step) and ``blocked_share`` show where a learner's time went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from ddiloco.core.resources import available_cpus
+from ddiloco.lab.bench import save_result
+from ddiloco.lab.run import exit_on_sigterm
+
+MODES = ("decoupled", "streaming", "diloco")
+BENCH_RUN = {"global_eval_every_s": 0, "final_eval_batches": 4}
+"""Laid over the ``run`` section of every point: no evaluation competing for the cores."""
+
+
+def _learner_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of learner counts, got {text!r}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"learner counts must be >= 1, got {text!r}")
+    return sorted(set(counts))
+
+
+def measure(out: pathlib.Path) -> dict[str, Any]:
+    """Throughput and synchronizer CPU of one finished ``ddiloco run`` folder."""
+    from ddiloco.lab.event_logs import load_jsonl
+    from ddiloco.lab.goodput import fleet_summary
+
+    logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
+    sync_log = out / "synchronizer.jsonl"
+    merges = [e for e in load_jsonl(sync_log) if e.get("event") == "merge"] if sync_log.exists() else []
+    fleet = fleet_summary(logs, merges)
+    if not fleet.get("training_window") or not fleet.get("steps"):
+        raise RuntimeError(f"{out}: the run logged no training steps")
+    start, end = fleet["training_window"]
+    summary = json.loads((out / "summary.json").read_text())
+    row: dict[str, Any] = {
+        "tokens": int(fleet["tokens"]),
+        "window_s": end - start,
+        "tokens_per_s": fleet["tokens"] / (end - start),
+        "step_ms": 1e3 * fleet["compute_s"] / fleet["steps"],
+        "blocked_share": fleet.get("blocked_share"),
+        "merges": len(merges),
+        "final_eval_loss": summary["final_eval_loss"],
+        "sync_cpu_ms_per_merge": None,
+        "sync_cores": None,
+    }
+    timed = [e for e in merges if "cpu_s" in e]
+    if len(timed) > 1:
+        cpu = timed[-1]["cpu_s"] - timed[0]["cpu_s"]
+        row["sync_cpu_ms_per_merge"] = 1e3 * cpu / (len(timed) - 1)
+        row["sync_cores"] = cpu / max(timed[-1]["t"] - timed[0]["t"], 1e-9)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco bench scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--learners", type=_learner_counts, default=[1, 2, 3, 4],
+                        help="fleet sizes to run, comma-separated (default 1,2,3,4)")
+    parser.add_argument("--steps", type=int, default=120, help="inner steps per learner (default 120)")
+    parser.add_argument("--mode", choices=MODES, default="decoupled", help="the fleets' mode (default decoupled)")
+    parser.add_argument("--config", help="a ddiloco run config (YAML/JSON) for every point: model, data, protocol")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every point (default 0)")
+    parser.add_argument("--workdir", help="where the runs' folders go (default runs/bench-scale-<time>)")
+    parser.add_argument("--out", default="bench-results/scale.json", help="JSON results file")
+    parser.add_argument("--json", action="store_true", help="print the JSON results instead of the table")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one point may take (default 1800)")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps >= 1 required, got {args.steps}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout > 0 required, got {args.timeout}")
+    try:
+        document = _document(args)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    exit_on_sigterm()
+    workdir = pathlib.Path(args.workdir or f"runs/bench-scale-{time.strftime('%Y%m%d-%H%M%S')}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "bench.yaml"
+    config.write_text(yaml.safe_dump(document, sort_keys=False))
+    try:
+        result = _run(args, workdir, config)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"ddiloco bench scale: {exc} (the runs' folders are in {workdir})", file=sys.stderr)
+        return 1
+    path = save_result(result, args.out)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+        print(f"results: {path}")
+    return 0
+
+
+def _document(args: argparse.Namespace) -> dict[str, Any]:
+    """The user's config with the benchmark's ``run`` settings over it, checked for every fleet size."""
+    from ddiloco.core.config import read_document
+    from ddiloco.lab.run_config import merge_documents, resolve, validate
+
+    document = merge_documents(read_document(args.config) if args.config else {}, {"run": BENCH_RUN})
+    for n, mode in [(1, "dp"), *((n, args.mode) for n in args.learners)]:
+        ns = argparse.Namespace(config=args.config, learners=n, steps=args.steps, mode=mode, seed=args.seed,
+                                learner_speed=None)
+        validate(resolve(ns, document)[1])
+    return document
+
+
+def _run(args: argparse.Namespace, workdir: pathlib.Path, config: pathlib.Path) -> dict[str, Any]:
+    cpus = available_cpus()
+    one_thread = workdir / "bench-1-thread.yaml"
+    document = yaml.safe_load(config.read_text())
+    document.setdefault("train", {})["threads"] = 1
+    one_thread.write_text(yaml.safe_dump(document, sort_keys=False))
+
+    def point(name: str, learners: int, mode: str, config: pathlib.Path = config) -> dict[str, Any]:
+        out = workdir / name
+        cmd = [sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(config), "--out", str(out),
+               "--no-progress", "--learners", str(learners), "--steps", str(args.steps), "--mode", mode,
+               "--seed", str(args.seed)]
+        print(f"ddiloco bench scale: {name}: {learners} learner(s), {mode}, {args.steps} steps ...",
+              file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=args.timeout)
+        except BaseException:
+            # a timeout, Ctrl-C or SIGTERM here: ``ddiloco run`` stops its own processes on SIGTERM
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            raise
+        if proc.returncode != 0:
+            raise RuntimeError(f"ddiloco run failed for {name} (exit {proc.returncode}): {err[-2000:]}")
+        row = {"learners": learners, "mode": mode, "run": str(out), **measure(out)}
+        print(f"ddiloco bench scale: {name}: {row['tokens_per_s']:.0f} tokens/s "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        return row
+
+    alone = point("alone", 1, "dp")
+    alone_1 = point("alone-1-thread", 1, "dp", one_thread) if cpus > 1 else alone
+    fleets = []
+    for n in args.learners:
+        row = point(f"learners-{n}", n, args.mode)
+        row["ratio"] = row["tokens_per_s"] / alone["tokens_per_s"]
+        row["ideal_tokens_per_s"] = max(alone["tokens_per_s"], min(n, cpus) * alone_1["tokens_per_s"])
+        row["efficiency"] = row["tokens_per_s"] / row["ideal_tokens_per_s"]
+        fleets.append(row)
+    return {
+        "benchmark": "scale",
+        "what": "tokens/s of ddiloco run with N learners against one learner alone (dp, nothing to "
+                "synchronise), each a real run on this machine, measured in this run",
+        "machine": {"cpus": cpus, "platform": platform.platform(), "python": platform.python_version()},
+        "mode": args.mode,
+        "steps": args.steps,
+        "seed": args.seed,
+        "config": args.config,
+        "alone": alone,
+        "alone_1_thread": alone_1,
+        "fleets": fleets,
+    }
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    print(f"ddiloco bench scale: {r['mode']}, {r['steps']} steps per learner, {r['machine']['cpus']} CPUs")
+    print(f"{'learners':>16} {'tokens/s':>9} {'ratio':>6} {'ideal':>7} {'effic.':>7} {'step ms':>8} "
+          f"{'blocked':>8} {'merges':>7} {'sync ms/merge':>14} {'sync cores':>11} {'eval loss':>10}")
+    for name, a in (("alone", r["alone"]), ("alone, 1 thread", r["alone_1_thread"])):
+        print(f"{name:>16} {a['tokens_per_s']:>9.0f} {a['tokens_per_s'] / r['alone']['tokens_per_s']:>6.2f} "
+              f"{'':>7} {'':>7} {a['step_ms']:>8.1f} {'':>8} {'':>7} {'':>14} {'':>11} {a['final_eval_loss']:>10.4f}")
+    for f in r["fleets"]:
+        print(f"{f['learners']:>16} {f['tokens_per_s']:>9.0f} {f['ratio']:>6.2f} {f['ideal_tokens_per_s']:>7.0f} "
+              f"{f['efficiency']:>7.2f} {f['step_ms']:>8.1f} {num(f['blocked_share'], '.3f'):>8} "
+              f"{f['merges']:>7} {num(f['sync_cpu_ms_per_merge'], '.1f'):>14} {num(f['sync_cores'], '.2f'):>11} "
+              f"{f['final_eval_loss']:>10.4f}")

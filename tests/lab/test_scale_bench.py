@@ -1,0 +1,102 @@
+"""``ddiloco bench scale`` runs real ``ddiloco run`` fleets of several sizes and one learner alone,
+reports tokens per second against alone and the synchronizer's CPU per merge; bad options are
+refused before any run starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ddiloco.lab.bench import scale as scale_bench
+from ddiloco.lab.event_logs import load_jsonl
+
+TINY = """
+protocol: {num_fragments: 4, sync_every: 8, overlap: 2}
+model: {d_model: 32, n_layer: 2, n_head: 2, context: 32}
+data: {batch_size: 8, context: 32, max_bytes: 1000000}
+train: {eval_every: 0, eval_batches: 2, lr: 0.003, warmup_steps: 5}
+run: {global_eval_every_s: 5.0}
+synchronizer: {policy: {quorum: 1, grace_gamma: 0.5, max_grace_s: 1.0}, heartbeat_interval_s: 0.5}
+"""
+
+
+@pytest.mark.slow
+def test_fleets_and_alone_run_and_are_measured_in_one_run(tmp_path):
+    cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
+    cfg.write_text(TINY)
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
+                           "--learners", "2,1", "--steps", "24", "--workdir", str(work), "--out", str(out),
+                           "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r == json.loads(out.read_text())
+    assert r["benchmark"] == "scale" and r["mode"] == "decoupled" and r["steps"] == 24
+    batch_tokens = 8 * 32
+    alone = r["alone"]
+    assert alone["mode"] == "dp" and alone["tokens"] == 24 * batch_tokens and alone["tokens_per_s"] > 0
+    assert alone["merges"] == 0 and alone["sync_cpu_ms_per_merge"] is None  # nothing to synchronise
+    one_thread = r["alone_1_thread"]
+    assert one_thread["tokens"] == alone["tokens"] and one_thread["tokens_per_s"] > 0
+    if r["machine"]["cpus"] > 1:
+        assert "threads: 1" in (work / "bench-1-thread.yaml").read_text()
+        assert yaml.safe_load((work / "alone-1-thread" / "config.yaml").read_text())["train"]["threads"] == 1
+    assert [f["learners"] for f in r["fleets"]] == [1, 2]  # sorted, each once
+    cpus = r["machine"]["cpus"]
+    for f in r["fleets"]:
+        n = f["learners"]
+        assert f["tokens"] == n * 24 * batch_tokens
+        assert f["tokens_per_s"] == pytest.approx(f["tokens"] / f["window_s"])
+        assert f["ratio"] == pytest.approx(f["tokens_per_s"] / alone["tokens_per_s"])
+        one = r["alone_1_thread"]["tokens_per_s"]
+        assert f["ideal_tokens_per_s"] == pytest.approx(max(alone["tokens_per_s"], min(n, cpus) * one))
+        assert f["efficiency"] == pytest.approx(f["tokens_per_s"] / f["ideal_tokens_per_s"])
+        assert f["merges"] > 1 and f["sync_cpu_ms_per_merge"] > 0 and f["sync_cores"] > 0
+        assert f["step_ms"] > 0 and 0 <= f["blocked_share"] < 1
+        # the figures come from the run's own logs: the merge events carry the synchronizer's CPU
+        merges = [e for e in load_jsonl(work / f"learners-{n}" / "synchronizer.jsonl") if e["event"] == "merge"]
+        cpu = [e["cpu_s"] for e in merges]
+        assert len(merges) == f["merges"] and cpu == sorted(cpu)
+        assert f["sync_cpu_ms_per_merge"] == pytest.approx(1e3 * (cpu[-1] - cpu[0]) / (len(cpu) - 1))
+    # no evaluation of the global model competed with the fleet for the cores
+    assert "global_eval_every_s: 0" in (work / "bench.yaml").read_text()
+
+
+def test_bad_options_are_refused_before_any_run_starts(tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "scale.json"
+    bad_cfg = tmp_path / "bad.yaml"
+    bad_cfg.write_text("model: {d_model: 30, n_head: 4}\n")
+    cases = [(["--learners", "0"], "learner counts must be >= 1"),
+             (["--learners", "1,x"], "comma-separated list"),
+             (["--steps", "0"], "--steps >= 1"),
+             (["--timeout", "0"], "--timeout > 0"),
+             (["--mode", "dp"], "invalid choice"),
+             (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
+             (["--config", str(bad_cfg)], "d_model")]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            scale_bench.main([*args, "--workdir", str(work), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "ddiloco bench scale: error:" in err and message in err, (args, err)
+        assert not work.exists() and not out.exists(), args  # no run, no results
+
+
+def test_a_run_without_steps_is_an_error_not_a_zero(tmp_path):
+    (tmp_path / "learners").mkdir()
+    (tmp_path / "summary.json").write_text(json.dumps({"final_eval_loss": 3.0}))
+    with pytest.raises(RuntimeError, match="logged no training steps"):
+        scale_bench.measure(tmp_path)
+
+
+def test_a_point_past_its_timeout_is_stopped_and_reported(tmp_path):
+    cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
+    cfg.write_text(TINY)
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
+                           "--learners", "1", "--steps", "100000", "--timeout", "2", "--workdir", str(work),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "timed out after 2" in proc.stderr and str(work) in proc.stderr
+    assert not out.exists()  # no results from a run that did not finish
