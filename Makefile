@@ -36,7 +36,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/mypy libs/fragments/ddiloco libs/algorithm/ddiloco libs/core/ddiloco
+	$(BIN)/mypy libs/fragments/ddiloco libs/algorithm/ddiloco libs/core/ddiloco lab/ddiloco
 
 bench: $(STAMP)
 	$(BIN)/ddiloco bench codec
