@@ -231,56 +231,6 @@ def _payload(n: int = 1000, block: int = 64) -> bytes:
     return Int2BlockCodec(block_size=block).encode(torch.randn(n, generator=torch.Generator().manual_seed(n)))
 
 
-def test_truncated_padded_or_wrong_count_raises() -> None:
-    n = 1001
-    payload = _payload(n)
-    codec = Int2BlockCodec()
-    for cut in sorted({0, 1, 5, 6, 9, len(payload) // 2, len(payload) - 1}):
-        with pytest.raises(CodecError):
-            codec.decode(payload[:cut], n)
-    with pytest.raises(CodecError, match="bytes, expected"):
-        codec.decode(payload + b"\x00", n)
-    for wrong_n in (n - 1, n - 4, n + 4, n + 5000, -1):
-        with pytest.raises(CodecError):
-            codec.decode(payload, wrong_n)
-    # The length fixes the count only to within the last byte: up to 3 more values with zero
-    # padding codes decode (code 0 is a level). The transfer header's count is checked against
-    # the fragment layout before the codec sees it.
-    assert codec.decode(payload, n + 3).shape == (n + 3,)
-
-
-@pytest.mark.parametrize("header, match", [
-    (struct.pack("<2sI", b"I4", 64), "magic"),
-    (struct.pack("<2sI", b"I2", 0), "block size"),
-    (struct.pack("<2sI", b"I2", 4), "block size"),
-    (struct.pack("<2sI", b"I2", 62), "block size"),  # even, but not a multiple of 4
-    (struct.pack("<2sI", b"I2", 63), "block size"),
-    (struct.pack("<2sI", b"I2", (1 << 20) + 4), "block size"),
-    (struct.pack("<2sI", b"I2", 32), "bytes, expected"),  # a valid size, but not the one sent
-])
-def test_bad_header_raises(header: bytes, match: str) -> None:
-    payload = _payload()
-    with pytest.raises(CodecError, match=match):
-        Int2BlockCodec().decode(header + payload[HEAD:], 1000)
-
-
-def test_forged_block_size_does_not_allocate() -> None:
-    """A huge declared block size is refused by its range; an in-range one by the exact length,
-    which is checked before anything is allocated."""
-    with pytest.raises(CodecError):
-        Int2BlockCodec().decode(struct.pack("<2sI", b"I2", 0xFFFFFFFC) + struct.pack("<f", 1.0) + bytes(3), 10)
-    with pytest.raises(CodecError):
-        Int2BlockCodec().decode(struct.pack("<2sI", b"I2", 8) + bytes(64), 1 << 40)
-
-
-@pytest.mark.parametrize("scale", [-1.0, float("-inf"), -0.0 - 1e-30])
-def test_negative_scale_raises(scale: float) -> None:
-    payload = bytearray(_payload())
-    struct.pack_into("<f", payload, HEAD + 4 * 7, scale)
-    with pytest.raises(CodecError, match="negative scale"):
-        Int2BlockCodec().decode(bytes(payload), 1000)
-
-
 @pytest.mark.parametrize("n", [1001, 1002, 1003])
 def test_non_zero_padding_bits_raise(n: int) -> None:
     payload = _payload(n)
@@ -298,22 +248,6 @@ def test_every_code_byte_is_valid() -> None:
     payload[HEAD + 4 * 16:] = bytes(range(256))
     out = Int2BlockCodec().decode(bytes(payload), n)
     assert np.array_equal(out.numpy(), _reference_decode(bytes(payload), n))
-
-
-@settings(max_examples=80, deadline=None)
-@given(data=st.data())
-def test_any_corruption_raises_only_codec_error(data) -> None:  # type: ignore[no-untyped-def]
-    n = data.draw(st.integers(1, 3000), label="n")
-    block = data.draw(st.sampled_from([8, 64, 256]), label="block")
-    payload = bytearray(Int2BlockCodec(block).encode(torch.randn(n, generator=torch.Generator().manual_seed(n))))
-    for _ in range(data.draw(st.integers(1, 4), label="flips")):
-        pos = data.draw(st.integers(0, len(payload) - 1))
-        payload[pos] ^= data.draw(st.integers(1, 255))
-    try:
-        out = Int2BlockCodec().decode(bytes(payload), n)
-    except CodecError:
-        return
-    assert out.shape == (n,) and out.dtype == torch.float32
 
 
 @pytest.mark.parametrize("block", [0, 4, 6, 10, 62, 2**20 + 4])

@@ -134,51 +134,6 @@ def _payload(n: int = 1000, block: int = 64) -> bytes:
     return Int4BlockCodec(block_size=block).encode(torch.randn(n, generator=torch.Generator().manual_seed(n)))
 
 
-def test_truncated_padded_or_wrong_count_raises() -> None:
-    n = 1001
-    payload = _payload(n)
-    codec = Int4BlockCodec()
-    for cut in sorted({0, 1, 5, 6, 9, len(payload) // 2, len(payload) - 1}):
-        with pytest.raises(CodecError):
-            codec.decode(payload[:cut], n)
-    with pytest.raises(CodecError, match="bytes, expected"):
-        codec.decode(payload + b"\x00", n)
-    for wrong_n in (n - 2, n + 1, n + 2, n + 5000):
-        with pytest.raises(CodecError):
-            codec.decode(payload, wrong_n)
-
-
-@pytest.mark.parametrize("header, match", [
-    (struct.pack("<2sI", b"I8", 64), "magic"),
-    (struct.pack("<2sI", b"I4", 0), "block size"),
-    (struct.pack("<2sI", b"I4", 6), "block size"),
-    (struct.pack("<2sI", b"I4", 63), "block size"),
-    (struct.pack("<2sI", b"I4", (1 << 20) + 2), "block size"),
-    (struct.pack("<2sI", b"I4", 32), "bytes, expected"),  # a valid size, but not the one sent
-])
-def test_bad_header_raises(header: bytes, match: str) -> None:
-    payload = _payload()
-    with pytest.raises(CodecError, match=match):
-        Int4BlockCodec().decode(header + payload[HEAD:], 1000)
-
-
-def test_forged_block_size_does_not_allocate() -> None:
-    """A huge declared block size is refused by its range; an in-range one by the exact length,
-    which is checked before anything is allocated."""
-    with pytest.raises(CodecError):
-        Int4BlockCodec().decode(struct.pack("<2sI", b"I4", 0xFFFFFFFE) + struct.pack("<f", 1.0) + bytes(5), 10)
-    with pytest.raises(CodecError):
-        Int4BlockCodec().decode(struct.pack("<2sI", b"I4", 8) + bytes(64), 1 << 40)
-
-
-@pytest.mark.parametrize("scale", [-1.0, float("-inf"), -0.0 - 1e-30])
-def test_negative_scale_raises(scale: float) -> None:
-    payload = bytearray(_payload())
-    struct.pack_into("<f", payload, HEAD + 4 * 7, scale)
-    with pytest.raises(CodecError, match="negative scale"):
-        Int4BlockCodec().decode(bytes(payload), 1000)
-
-
 def test_invalid_codes_raise() -> None:
     n = 1001
     payload = _payload(n)
@@ -203,22 +158,6 @@ def test_non_finite_block_decodes_non_finite(bad: float) -> None:
     assert bool(torch.isfinite(out[:64]).all()) and bool(torch.isfinite(out[128:]).all())
     with pytest.raises(CodecError, match="fp32"):
         codec.encode(torch.zeros(4, dtype=torch.float64))
-
-
-@settings(max_examples=80, deadline=None)
-@given(data=st.data())
-def test_any_corruption_raises_only_codec_error(data) -> None:  # type: ignore[no-untyped-def]
-    n = data.draw(st.integers(1, 3000), label="n")
-    block = data.draw(st.sampled_from([8, 64, 256]), label="block")
-    payload = bytearray(Int4BlockCodec(block).encode(torch.randn(n, generator=torch.Generator().manual_seed(n))))
-    for _ in range(data.draw(st.integers(1, 4), label="flips")):
-        pos = data.draw(st.integers(0, len(payload) - 1))
-        payload[pos] ^= data.draw(st.integers(1, 255))
-    try:
-        out = Int4BlockCodec().decode(bytes(payload), n)
-    except CodecError:
-        return
-    assert out.shape == (n,) and out.dtype == torch.float32
 
 
 @pytest.mark.parametrize("block", [0, 7, 9, 2**20 + 2])
