@@ -113,3 +113,16 @@ def test_tiny_torchft_overhead_run_leaves_nothing_running(tmp_path):
     pids = [e["pid"] for f in (work / "torchft" / "overhead").glob("replica-*.jsonl")
             for e in tft.read_events(f) if e["event"] == "ready"]
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
+
+
+def test_waiting_on_a_job_whose_lighthouse_exited_fails_at_once(tmp_path):
+    """A real process stands in the lighthouse's place and exits: waiting for replicas that can
+    then never sync ends with a clear error, not after the whole timeout."""
+    job = tft.TorchftJob(tft.build_parser().parse_args([]), tmp_path, "overhead")
+    try:
+        job.procs.start("lighthouse", [sys.executable, "-c", "raise SystemExit(3)"])
+        job.procs.procs["lighthouse"].wait(timeout=30)
+        with pytest.raises(tft.BenchError, match=r"lighthouse exited \(code 3\)"):
+            job.wait_for("both replicas ready", lambda: False, timeout_s=60)
+    finally:
+        job.procs.stop_all()

@@ -261,12 +261,16 @@ class TorchftJob:
         return self.procs.procs[f"replica-{replica}.{self.incarnation[replica]}"]
 
     def wait_for(self, what: str, pred: Any, timeout_s: float) -> None:
-        """Poll ``pred()`` every 50 ms until true; BenchError after ``timeout_s`` or when a
-        replica the job needs has exited."""
+        """Poll ``pred()`` every 50 ms until true; BenchError after ``timeout_s`` or when the
+        lighthouse has exited (nothing can then come true)."""
         deadline = time.monotonic() + timeout_s
+        lighthouse = self.procs.procs.get("lighthouse")
         while not pred():
             if time.monotonic() > deadline:
                 raise BenchError(f"torchft: timed out waiting for {what} (logs in {self.work})")
+            if lighthouse is not None and lighthouse.poll() is not None:
+                raise BenchError(f"torchft: the lighthouse exited (code {lighthouse.returncode}) while waiting "
+                                 f"for {what} (logs in {self.work})")
             time.sleep(0.05)
 
     def commits(self, replica: int, incarnation: int | None = None, participants: int = 2) -> list[dict[str, Any]]:
