@@ -8,12 +8,10 @@ to it through its own ``FaultProxy``, so the network of one learner can be broke
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,16 +23,11 @@ import yaml
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
 from ddiloco.lab.event_logs import Tail
+from ddiloco.lab.procs import free_port, stop_processes
 
 
 def _cli() -> list[str]:
     return [sys.executable, "-m", "ddiloco.core.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalCluster:
@@ -151,18 +144,7 @@ class LocalCluster:
     def stop_all(self, timeout_s: float = 20.0) -> None:
         if self.driver is not None:
             self.driver.stop()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGCONT)
-                    proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs.values(), timeout_s)
         for proxy in self.proxies.values():
             proxy.stop()
 

@@ -27,6 +27,7 @@ import yaml
 from ddiloco.lab.chaos import FaultPlan
 from ddiloco.lab.event_logs import Tail
 from ddiloco.lab.global_eval import EvalCurve, GlobalModelEval, read_curve
+from ddiloco.lab.procs import exit_on_sigterm
 from ddiloco.lab.run_config import RUN_MODES, resolve, validate
 
 
@@ -203,16 +204,6 @@ def add_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> None:
     summary["eval_loss_vs_baseline"] = gap
     if summary.get("invariants") is not None:
         summary["invariants"]["eval_loss_vs_no_fault"] = gap
-
-
-def exit_on_sigterm() -> None:
-    """Make SIGTERM (a scheduler's stop, a timeout, ``kill PID``) unwind this process like Ctrl-C
-    does, so ``finally`` blocks stop the processes it started rather than leaving them behind."""
-
-    def terminated(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminated)
 
 
 def main(argv: list[str] | None = None) -> int:

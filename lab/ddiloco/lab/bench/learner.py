@@ -29,11 +29,8 @@ import json
 import os
 import pathlib
 import platform
-import signal
 import statistics
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,6 +40,7 @@ import yaml
 
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.bench import save_result
+from ddiloco.lab.procs import exit_on_sigterm
 
 GOAL = 0.02
 SYNC_PHASES = ("gather", "outer_gradient", "handoff", "apply")
@@ -166,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg, model, train_cfg, protocol = _check(args, parser)
     threads = args.threads or available_cpus()
     torch.set_num_threads(threads)
-    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds, so the synchronizer is stopped
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    exit_on_sigterm()  # SIGTERM unwinds, so the processes this one started are stopped
     if args.workdir:
         pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
         return _run(args, model_cfg, model, train_cfg, protocol, threads, pathlib.Path(args.workdir))

@@ -31,7 +31,6 @@ import itertools
 import json
 import pathlib
 import platform
-import signal
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from ddiloco.fragments.codec import CODEC_NAMES, make_codec
 from ddiloco.fragments.partition import FragmentLayout, TensorSpec, partition
 from ddiloco.fragments.payload import encode_fragment
 from ddiloco.lab.bench import save_result
+from ddiloco.lab.procs import exit_on_sigterm
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import SyncStream, get_status, message_limit, open_channel
 from ddiloco.protocol.config import ProtocolConfig
@@ -417,8 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the JSON results to this file")
     args = parser.parse_args(argv)
     layout, protocol, document = _check(args, parser)
-    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds, so the synchronizer is stopped
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    exit_on_sigterm()  # SIGTERM unwinds, so the processes this one started are stopped
     if args.workdir:
         pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
         return _run(args, layout, protocol, document, pathlib.Path(args.workdir))
