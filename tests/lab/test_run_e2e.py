@@ -270,9 +270,11 @@ def _gone(pid: int, within_s: float) -> bool:
 def test_sigterm_stops_the_run_and_every_process_it_started(tmp_path):
     cfg, out = tmp_path / "cfg.yaml", tmp_path / "run"
     cfg.write_text(TINY)
-    run = subprocess.Popen([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
-                            "--no-progress", "--learners", "2", "--steps", "100000"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = tmp_path / "run.err"
+    with open(err, "wb") as err_file:  # a file, not a pipe nobody reads while the run goes on
+        run = subprocess.Popen([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out",
+                                str(out), "--no-progress", "--learners", "2", "--steps", "100000"],
+                               stdout=subprocess.DEVNULL, stderr=err_file)
     children: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -282,7 +284,7 @@ def test_sigterm_stops_the_run_and_every_process_it_started(tmp_path):
             return all(p.exists() and any(e["event"] == "step" for e in load_jsonl(p)) for p in logs)
 
         while not training():
-            assert run.poll() is None, run.stderr.read()[-3000:] if run.stderr else ""
+            assert run.poll() is None, err.read_text()[-3000:]
             assert time.monotonic() < deadline, "the learners never trained"
             time.sleep(0.2)
         children = _children(run.pid)

@@ -1,7 +1,7 @@
 """``ddiloco bench torchft``: bad options are refused before anything starts (exit 2), a missing
 torchft says how to install the extra, results and ratios come out right from given numbers, and
-torchft is never imported by ddiloco itself. The one test that runs torchft's replicas needs the
-optional extra (``ddiloco-lab[peers]``) and is skipped where it is not installed."""
+torchft is never imported by ddiloco itself. The one test that runs torchft's replicas needs torchft
+(the ``dev`` extra installs it) and is skipped only where it is not installed."""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ def test_bad_options_exit_2_with_a_clear_message_before_anything_starts(tmp_path
 
 def test_missing_torchft_names_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft now raises ImportError
-    with pytest.raises(tft.BenchError, match=r"pip install 'ddiloco-lab\[peers\]'"):
+    with pytest.raises(tft.BenchError, match=r"pip install -e 'lab\[peers\]'"):
         tft.require_torchft()
     out = tmp_path / "r.json"
     assert tft.main(["--systems", "torchft", "--out", str(out)]) == 1
-    assert "ddiloco-lab[peers]" in capsys.readouterr().err and not out.exists()
+    assert "lab[peers]" in capsys.readouterr().err and not out.exists()
 
 
 def test_torchft_is_imported_only_by_the_benchmark_and_is_an_optional_extra():
@@ -95,7 +95,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_tiny_torchft_overhead_run_leaves_nothing_running(tmp_path):
-    """Needs the optional extra (torchft 0.2.0); CI does not install it, so there it is skipped."""
+    """Needs torchft 0.2.0 (the lab's ``peers`` extra, also in the ``dev`` extra that ``make test``
+    installs); skipped only in an environment without it."""
     pytest.importorskip("torchft", exc_type=ImportError)
     out, work = tmp_path / "r.json", tmp_path / "work"
     proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "torchft", "--json", "--out", str(out),

@@ -22,7 +22,8 @@ synchronise, on every CPU of the machine (a learner alone in a fleet gets them a
   last (every merge event carries ``cpu_s``), over the merges in between: receiving, decoding,
   merging, committing and broadcasting, all of it. ``sync_cores`` is that CPU over the same
   wall time.
-- ``step_ms`` (compute per inner step) and ``blocked_share`` show where a learner's time went.
+- ``step_ms`` (compute per inner step) and ``blocked_share`` show where a learner's time went;
+  ``mean_quorum`` is how many learners' contributions a merge held on average.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import yaml
 
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.bench import save_result
-from ddiloco.lab.run import exit_on_sigterm
+from ddiloco.lab.procs import exit_on_sigterm
 
 MODES = ("decoupled", "streaming", "diloco")
 BENCH_RUN = {"global_eval_every_s": 0, "final_eval_batches": 4}
@@ -77,6 +78,7 @@ def measure(out: pathlib.Path) -> dict[str, Any]:
         "step_ms": 1e3 * fleet["compute_s"] / fleet["steps"],
         "blocked_share": fleet.get("blocked_share"),
         "merges": len(merges),
+        "mean_quorum": sum(e["quorum"] for e in merges) / len(merges) if merges else None,
         "final_eval_loss": summary["final_eval_loss"],
         "sync_cpu_ms_per_merge": None,
         "sync_cores": None,
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     config.write_text(yaml.safe_dump(document, sort_keys=False))
     try:
         result = _run(args, workdir, config)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+    except RuntimeError as exc:
         print(f"ddiloco bench scale: {exc} (the runs' folders are in {workdir})", file=sys.stderr)
         return 1
     path = save_result(result, args.out)
@@ -161,14 +163,11 @@ def _run(args: argparse.Namespace, workdir: pathlib.Path, config: pathlib.Path) 
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             _, err = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise RuntimeError(f"{name} timed out after {args.timeout:g} s") from None
         except BaseException:
-            # a timeout, Ctrl-C or SIGTERM here: ``ddiloco run`` stops its own processes on SIGTERM
-            proc.terminate()
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+            _stop(proc)  # Ctrl-C or SIGTERM here
             raise
         if proc.returncode != 0:
             raise RuntimeError(f"ddiloco run failed for {name} (exit {proc.returncode}): {err[-2000:]}")
@@ -199,6 +198,16 @@ def _run(args: argparse.Namespace, workdir: pathlib.Path, config: pathlib.Path) 
         "alone_1_thread": alone_1,
         "fleets": fleets,
     }
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM a ``ddiloco run`` (it stops its own synchronizer and learners), SIGKILL after 60 s."""
+    proc.terminate()
+    try:
+        proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 def _print_table(r: dict[str, Any]) -> None:

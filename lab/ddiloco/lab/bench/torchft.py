@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import itertools
 import json
 import os
@@ -48,8 +49,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ddiloco.lab.bench import save_result
+from ddiloco.lab.event_logs import load_jsonl
+from ddiloco.lab.procs import exit_on_sigterm, free_port, stop_processes
 
-PEERS_HINT = "torchft is not installed; install the benchmark extra: pip install 'ddiloco-lab[peers]' (torchft==0.2.0)"
+PEERS_HINT = ("torchft is not installed; install the benchmark extra: pip install -e 'lab[peers]' in a checkout "
+              "(or pip install torchft==0.2.0)")
 TORCHFT_VERSION = "0.2.0"
 SCENARIOS = ("overhead", "restart", "outage")
 LIGHTHOUSE = "torchft_lighthouse"
@@ -66,6 +70,15 @@ def require_torchft() -> Any:
     except ImportError as exc:
         raise BenchError(PEERS_HINT) from exc
     return torchft
+
+
+def _torchft_version() -> str:
+    """The installed torchft's version (warned about when it is not the one measured here)."""
+    version = importlib.metadata.version("torchft")
+    if version != TORCHFT_VERSION:
+        print(f"ddiloco bench torchft: torchft {version} is installed; these measurements were made with "
+              f"{TORCHFT_VERSION}", file=sys.stderr)
+    return version
 
 
 def lighthouse_binary() -> str:
@@ -155,12 +168,6 @@ def table(result: dict[str, Any]) -> list[str]:
 
 # -- processes ----------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_port(port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -196,19 +203,10 @@ class Procs:
         proc.wait()
         return t
 
-    def stop_all(self, grace_s: float = 5.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
+    def stop_all(self, grace_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``: long enough for a ``ddiloco run`` or ``bench
+        learner`` child to stop its own synchronizer and learners (it waits 20 s for them)."""
+        stop_processes(self.procs.values(), grace_s)
 
 
 def read_events(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -261,8 +259,8 @@ class TorchftJob:
         return self.procs.procs[f"replica-{replica}.{self.incarnation[replica]}"]
 
     def wait_for(self, what: str, pred: Any, timeout_s: float) -> None:
-        """Poll ``pred()`` every 50 ms until true; BenchError after ``timeout_s`` or when the
-        lighthouse has exited (nothing can then come true)."""
+        """Poll ``pred()`` every 50 ms until true; BenchError after ``timeout_s``, or at once when
+        the lighthouse or a replica has exited (nothing can then come true)."""
         deadline = time.monotonic() + timeout_s
         lighthouse = self.procs.procs.get("lighthouse")
         while not pred():
@@ -271,6 +269,11 @@ class TorchftJob:
             if lighthouse is not None and lighthouse.poll() is not None:
                 raise BenchError(f"torchft: the lighthouse exited (code {lighthouse.returncode}) while waiting "
                                  f"for {what} (logs in {self.work})")
+            for r in self.incarnation:
+                code = self.proc(r).poll()
+                if code is not None:
+                    raise BenchError(f"torchft: replica {r} exited (code {code}) while waiting for {what} "
+                                     f"(its log: {self.work / f'replica-{r}.{self.incarnation[r]}.log'})")
             time.sleep(0.05)
 
     def commits(self, replica: int, incarnation: int | None = None, participants: int = 2) -> list[dict[str, Any]]:
@@ -466,7 +469,8 @@ def _ddiloco_run(args: argparse.Namespace, work: pathlib.Path, events: list[dict
 
 
 def _learner_logs(out: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
-    return {p.stem: read_events(p) for p in sorted((out / "learners").glob("*.jsonl"))}
+    # load_jsonl recovers the records of a restarted learner that appended to a half-written line
+    return {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
 
 
 def ddiloco_restart(args: argparse.Namespace, work: pathlib.Path) -> dict[str, Any]:
@@ -505,10 +509,12 @@ def ddiloco_outage(args: argparse.Namespace, work: pathlib.Path) -> dict[str, An
     gaps = {lid: step_gaps([e["t"] for e in ev if e.get("event") == "step"], t_kill) for lid, ev in logs.items()}
     failed = summary.get("failed_learners") or {}
     ends = {lid: any(e.get("event") == "end" for e in ev) for lid, ev in logs.items()}
+    # a learner that failed or never finished: the last thing it logged is when it died
+    dead = [max(e["t"] for e in ev) - t_kill for lid, ev in logs.items() if ev and (lid in failed or not ends[lid])]
     back = summary.get("restart_to_first_merge_s") or []
     return {"outage_s": args.outage_s, "max_stall_s": max(g["max_gap_s"] for g in gaps.values()),
             "per_learner": {lid: {**gaps[lid], "finished": ends[lid]} for lid in logs},
-            "job_died": bool(failed) or not all(ends.values()), "died_after_s": None,
+            "job_died": bool(failed) or not all(ends.values()), "died_after_s": min(dead) if dead else None,
             "synced_again_after_restart_s": back[0] if back else None,
             "steps_during_outage": {lid: sum(1 for e in ev if e.get("event") == "step"
                                              and t_kill < e["t"] < t_kill + args.outage_s)
@@ -519,7 +525,8 @@ def ddiloco_outage(args: argparse.Namespace, work: pathlib.Path) -> dict[str, An
 # -- command ------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddiloco bench torchft", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="ddiloco bench torchft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
     p.add_argument("--systems", default="torchft,ddiloco", help="comma-separated, of torchft, ddiloco")
     p.add_argument("--d-model", type=int, default=64, help="width of the built-in GPT")
@@ -586,18 +593,17 @@ def main(argv: list[str] | None = None) -> int:
     scenarios, systems = check_args(args, parser)
     try:
         if "torchft" in systems:
-            torchft = require_torchft()
+            require_torchft()
             lighthouse_binary()
     except BenchError as exc:
         print(f"ddiloco bench torchft: {exc}", file=sys.stderr)
         return 1
-    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds, so children are stopped
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    exit_on_sigterm()  # SIGTERM unwinds, so the processes this one started are stopped
     with _workdir(args.workdir) as work:
         result: dict[str, Any] = {
             "benchmark": "torchft", "machine": platform.machine(), "cpus": os.cpu_count(),
             "load_average_start": os.getloadavg()[0],
-            "torchft_version": getattr(torchft, "__version__", TORCHFT_VERSION) if "torchft" in systems else None,
+            "torchft_version": _torchft_version() if "torchft" in systems else None,
             "settings": {k: getattr(args, k) for k in (
                 "d_model", "n_layer", "n_head", "context", "batch_size", "fragments", "sync_every", "overlap",
                 "steps", "warmup", "repeats", "commits_before", "fault_step", "run_steps", "outage_s", "observe_s")},
