@@ -41,7 +41,7 @@ import yaml
 
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.bench import save_result
-from ddiloco.lab.procs import exit_on_sigterm
+from ddiloco.lab.procs import exit_on_sigterm, stop_processes
 
 MODES = ("decoupled", "streaming", "diloco")
 BENCH_RUN = {"global_eval_every_s": 0, "final_eval_batches": 4}
@@ -201,13 +201,10 @@ def _run(args: argparse.Namespace, workdir: pathlib.Path, config: pathlib.Path) 
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM a ``ddiloco run`` (it stops its own synchronizer and learners), SIGKILL after 60 s."""
-    proc.terminate()
-    try:
-        proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    """SIGTERM a ``ddiloco run`` (it stops its own synchronizer and learners), SIGKILL after 60 s;
+    what it printed is read afterwards (a few lines: the pipes cannot fill meanwhile)."""
+    stop_processes([proc], grace_s=60)
+    proc.communicate()
 
 
 def _print_table(r: dict[str, Any]) -> None:
