@@ -12,7 +12,7 @@ os.environ.setdefault("DDILOCO_LOG_JSON", "1")
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
-    """The container tests run last: their engine (and its gigabytes of image layers on vfs) is
+    """The container tests run last: their engine (and its gigabytes of image layers) is
     stopped and removed when they end, so it never shares the machine with the timing-sensitive
     process tests."""
     items.sort(key=lambda item: "containers" in item.path.relative_to(config.rootpath).parts[:2])

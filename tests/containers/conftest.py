@@ -1,9 +1,11 @@
 """A real Docker engine for the container tests, and the images they run.
 
 The engine: the one ``$DOCKER_HOST`` (or ``/var/run/docker.sock``) answers on, else this session
-starts its own ``dockerd --storage-driver=vfs`` on a socket of its own (installing Debian's
-``docker.io`` first when it is missing and this runs as root) and stops it by its pid at the end.
-Its data root stays in the temp folder, so a second run on the same machine reuses the images.
+starts its own ``dockerd`` on a socket of its own (installing Debian's ``docker.io`` first when it
+is missing and this runs as root) and stops it by its pid at the end. Its storage driver is
+``overlay2`` where the temp folder's file system takes it (layers shared, not copied), else ``vfs``
+(every layer and every container a full copy: the image build takes several times longer);
+``DDILOCO_DOCKER_STORAGE_DRIVER`` picks one. Its data root is removed with it.
 
 Images:
 - ``hostroot``: an empty root file system (only mount points, the merged-/usr links and a
@@ -68,6 +70,54 @@ def _install_engine() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+STORAGE_DRIVERS = ("overlay2", "vfs")
+
+
+def is_mount_point(path: pathlib.Path) -> bool:
+    """Whether something is mounted on ``path``, a bind mount of a folder onto itself included
+    (``os.path.ismount`` misses those: same device, and an inode other than the parent's)."""
+    with open("/proc/self/mounts") as mounts:
+        return any(line.split()[1] == str(path) for line in mounts)
+
+
+def _start_engine(root: pathlib.Path, driver: str) -> subprocess.Popen | None:
+    """dockerd with ``driver`` on ``root``/docker.sock (its data, exec root, pid file and log in
+    ``root`` too), once it answers; None when it exits first, as dockerd does at start-up with a
+    driver the file system does not take (overlay2 on overlayfs)."""
+    for sub in ("data", "exec"):  # a refused driver may have left a half-made root
+        shutil.rmtree(root / sub, ignore_errors=True)
+    url = f"unix://{root}/docker.sock"
+    with open(root / "dockerd.log", "ab") as log:
+        log.write(f"--- dockerd --storage-driver={driver}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            ["dockerd", f"--storage-driver={driver}", "--host", url, "--data-root", str(root / "data"),
+             "--exec-root", str(root / "exec"), "--pidfile", str(root / "dockerd.pid")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while not _ping(url):
+        if proc.poll() is not None:
+            # dockerd binds its data root onto itself at start-up and leaves that mount behind when
+            # it gives up: release it, or the root can be neither reused cleanly nor removed
+            while is_mount_point(root / "data"):
+                subprocess.run(["umount", str(root / "data")], capture_output=True, check=True, timeout=60)
+            return None
+        if time.monotonic() > deadline:
+            _stop_engine(proc)
+            raise AssertionError(f"dockerd did not answer within 90 s: {(root / 'dockerd.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    return proc
+
+
+def _stop_engine(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="package")
 def docker_engine():
     """DOCKER_HOST of a running engine (started here when none runs)."""
@@ -79,30 +129,21 @@ def docker_engine():
     _install_engine()
     ENGINE_DIR.mkdir(parents=True, exist_ok=True)
     url = f"unix://{ENGINE_DIR}/docker.sock"
-    log = open(ENGINE_DIR / "dockerd.log", "ab")  # noqa: SIM115 - open for the engine's whole life
-    proc = subprocess.Popen(
-        ["dockerd", "--storage-driver=vfs", "--host", url, "--data-root", str(ENGINE_DIR / "data"),
-         "--exec-root", str(ENGINE_DIR / "exec"), "--pidfile", str(ENGINE_DIR / "dockerd.pid")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    forced = os.environ.get("DDILOCO_DOCKER_STORAGE_DRIVER")
+    proc = None
+    for driver in [forced] if forced else STORAGE_DRIVERS:
+        proc = _start_engine(ENGINE_DIR, driver)
+        if proc is not None:
+            break
+    assert proc is not None, f"dockerd exited at start-up: {(ENGINE_DIR / 'dockerd.log').read_text()[-3000:]}"
     try:
-        deadline = time.monotonic() + 90
-        while not _ping(url):
-            assert proc.poll() is None, (ENGINE_DIR / "dockerd.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "dockerd did not answer within 90 s"
-            time.sleep(0.5)
         os.environ["DOCKER_HOST"] = url
         yield url
     finally:
         os.environ.pop("DOCKER_HOST", None)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        # The engine's layers (several GB on vfs, which copies every layer in full) go with it:
-        # the images are rebuilt from the checkout by the next run anyway.
+        _stop_engine(proc)
+        # The engine's layers (gigabytes: torch in two images) go with it; the images are rebuilt
+        # from the checkout by the next run anyway.
         shutil.rmtree(ENGINE_DIR / "data", ignore_errors=True)
         shutil.rmtree(ENGINE_DIR / "exec", ignore_errors=True)
 
@@ -223,7 +264,10 @@ def service_images(docker_client) -> dict[str, str]:
         torch_version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__.split('+')[0])"],
                                        capture_output=True, text=True, check=True).stdout.strip()
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "-w", str(wheels), f"torch=={torch_version}",
+            # no build isolation: the packages build with this environment's setuptools (a fresh one
+            # per package would be installed otherwise: 40 s of the build)
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "-w", str(wheels),
+             f"torch=={torch_version}",
              "setuptools>=69", "wheel", *(str(ctx / p) for p in (
                  "libs/core", "libs/fragments", "libs/protocol", "libs/algorithm",
                  "services/synchronizer", "services/learner"))],
