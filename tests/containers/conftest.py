@@ -28,7 +28,6 @@ import io
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -36,6 +35,8 @@ import tempfile
 import time
 
 import pytest
+
+from ddiloco.lab.procs import stop_processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENGINE_DIR = pathlib.Path(tempfile.gettempdir()) / "ddiloco-dockerd"
@@ -103,19 +104,10 @@ def _start_engine(root: pathlib.Path, driver: str) -> subprocess.Popen | None:
                 subprocess.run(["umount", str(root / "data")], capture_output=True, check=True, timeout=60)
             return None
         if time.monotonic() > deadline:
-            _stop_engine(proc)
+            stop_processes([proc], grace_s=60)
             raise AssertionError(f"dockerd did not answer within 90 s: {(root / 'dockerd.log').read_text()[-3000:]}")
         time.sleep(0.5)
     return proc
-
-
-def _stop_engine(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="package")
@@ -141,7 +133,7 @@ def docker_engine():
         yield url
     finally:
         os.environ.pop("DOCKER_HOST", None)
-        _stop_engine(proc)
+        stop_processes([proc], grace_s=60)
         # The engine's layers (gigabytes: torch in two images) go with it; the images are rebuilt
         # from the checkout by the next run anyway.
         shutil.rmtree(ENGINE_DIR / "data", ignore_errors=True)
