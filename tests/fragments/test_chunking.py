@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 
 import pytest
 import torch
@@ -415,3 +416,17 @@ def test_decode_rejects_invalid_int8_block_size_in_header() -> None:
     transfer = _transfer(torch.zeros(LAYOUT[0].numel), codec_name="int8_block")
     with pytest.raises(CodecError):
         decode_fragment(_with_header(transfer, block_size=5), LAYOUT)
+
+
+def test_a_reassembled_fp32_transfer_is_decoded_without_a_copy_and_a_bytes_payload_is_copied() -> None:
+    values = torch.randn(LAYOUT[0].numel)
+    transfer = _transfer(values, codec_name="fp32")
+    assert isinstance(transfer.payload, bytearray), "reassembly hands over a buffer of its own"
+    decoded = decode_fragment(transfer, LAYOUT)
+    assert torch.equal(decoded, values)
+    decoded[0] = 123.0  # the tensor took the transfer's buffer over
+    assert struct.unpack_from("<f", transfer.payload)[0] == 123.0
+    frozen = Transfer(transfer.header, bytes(transfer.payload))
+    copied = decode_fragment(frozen, LAYOUT)
+    copied[0] = 7.0  # a bytes payload is never written through
+    assert struct.unpack_from("<f", frozen.payload)[0] == 123.0

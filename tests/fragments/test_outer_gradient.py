@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter, segment_views
+from ddiloco.fragments.outer_gradient import all_finite, gather, outer_gradient, scatter, segment_views
 from ddiloco.fragments.partition import partition_tensors
 
 
@@ -112,3 +112,25 @@ def test_gather_and_scatter_reject_wrong_buffers() -> None:
         gather(fragment, params, out=torch.empty(fragment.numel, dtype=torch.float64))
     with pytest.raises(ValueError):
         scatter(fragment, torch.zeros(fragment.numel - 1), params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_finds_any_nan_or_infinity(dtype: torch.dtype) -> None:
+    values = torch.randn(10_001, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert all_finite(values) and all_finite(values[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 5_000, 10_000):
+            poisoned = values.clone()
+            poisoned[where] = bad
+            assert not all_finite(poisoned), (bad, where)
+    both = values.clone()
+    both[3], both[9] = float("inf"), float("-inf")  # their sum is NaN: still caught
+    assert not all_finite(both)
+
+
+def test_all_finite_accepts_finite_values_whose_sum_overflows() -> None:
+    big = torch.full((8,), torch.finfo(torch.float32).max)
+    assert not bool(torch.isfinite(big.sum())), "the sum overflows: the exact check must decide"
+    assert all_finite(big) and all_finite(-big)
+    big[5] = float("nan")
+    assert not all_finite(big)

@@ -41,7 +41,7 @@ from ddiloco.fragments.errors import (
     ReorderedChunkError,
     ShapeMismatchError,
 )
-from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
+from ddiloco.fragments.outer_gradient import all_finite, gather, outer_gradient, scatter
 from ddiloco.fragments.partition import Fragment, FragmentLayout, TensorSpec, partition, partition_tensors
 from ddiloco.fragments.payload import check_header, decode_fragment, encode_fragment
 from ddiloco.fragments.schedule import FragmentSchedule
@@ -51,7 +51,7 @@ __all__ = [
     "CodecError", "DTypeMismatchError", "DuplicateChunkError", "ErrorFeedback", "Fp32Codec", "Fragment",
     "FragmentError", "FragmentLayout", "FragmentSchedule", "HeaderError", "Int2BlockCodec", "Int4BlockCodec", "Int8BlockCodec",
     "LayoutMismatchError", "MissingChunkError", "NonFiniteError", "OversizedChunkError", "Reassembler",
-    "ReorderedChunkError", "ShapeMismatchError", "TensorSpec", "Transfer", "TransferHeader", "check_header",
+    "ReorderedChunkError", "ShapeMismatchError", "TensorSpec", "Transfer", "TransferHeader", "all_finite", "check_header",
     "decode_fragment", "encode_fragment", "gather", "make_codec", "outer_gradient", "partition",
     "partition_tensors", "scatter", "split",
 ]

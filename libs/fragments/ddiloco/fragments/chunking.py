@@ -35,11 +35,11 @@ DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
 PAYLOAD_KINDS = ("contribution", "genesis", "global")
 
 
-def crc32c(data: bytes | memoryview) -> int:
+def crc32c(data: bytes | bytearray | memoryview) -> int:
     return _crc32c.crc32c(data)
 
 
-def digest(data: bytes | memoryview) -> bytes:
+def digest(data: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
@@ -85,7 +85,9 @@ class Transfer:
     """A complete, verified transfer."""
 
     header: TransferHeader
-    payload: bytes
+    payload: bytes | bytearray
+    """The payload; reassembly hands each transfer a bytearray of its own, which ``Fp32Codec``
+    takes over instead of copying."""
     received_at: float = field(default_factory=time.monotonic)
 
 
@@ -169,7 +171,7 @@ class Reassembler:
         self._next += 1
         if self._next < header.chunk_count:
             return None
-        payload = b"".join(self._parts)
+        payload = bytearray().join(self._parts)  # the transfer's own: a decoder may take it over
         self._header, self._next, self._parts, self._size = None, 0, [], 0
         if len(payload) != header.encoded_bytes:
             raise MissingChunkError(

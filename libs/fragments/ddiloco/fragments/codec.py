@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class Codec(Protocol):
 
     def encode(self, values: torch.Tensor) -> bytes: ...
 
-    def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor: ...
+    def decode(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor: ...
 
     def max_encoded_bytes(self, num_values: int) -> int:
         """Upper bound of the payload size for ``num_values`` values (oversize checks)."""
@@ -77,9 +78,15 @@ class Fp32Codec:
     def encode(self, values: torch.Tensor) -> bytes:
         return flat_fp32(values).numpy().astype("<f4", copy=False).tobytes()
 
-    def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor:
+        """The values as a tensor of their own. A ``bytearray`` payload is taken over instead of
+        copied (on a little-endian machine): the tensor shares its memory, so the caller must not
+        reuse it. Reassembled transfers come as a bytearray of their own for this reason (64 MiB
+        copied into a fresh buffer costs 15-40 ms on 2 cores)."""
         if len(payload) != 4 * num_values:
             raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * num_values}")
+        if isinstance(payload, bytearray) and sys.byteorder == "little" and num_values:
+            return torch.frombuffer(payload, dtype=torch.float32)
         arr = np.frombuffer(payload, dtype="<f4").copy()
         return torch.from_numpy(arr)
 
@@ -281,7 +288,7 @@ class Bf16ZstdCodec:
         return b"".join([_BZ_HEAD.pack(_BZ_MAGIC, self.block_values, len(blocks))]
                         + [part for block in blocks for part in block])
 
-    def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor:
         view = memoryview(payload).cast("B")
         if len(view) < _BZ_HEAD.size:
             raise CodecError("bf16_zstd payload shorter than its header")

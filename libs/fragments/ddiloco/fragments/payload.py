@@ -21,6 +21,7 @@ from ddiloco.fragments.errors import (
     OversizedChunkError,
     ShapeMismatchError,
 )
+from ddiloco.fragments.outer_gradient import all_finite
 from ddiloco.fragments.partition import Fragment, FragmentLayout
 
 
@@ -88,7 +89,7 @@ def decode_fragment(transfer: Transfer, layout: FragmentLayout, *, zstd_threads:
         raise
     except (ValueError, RuntimeError) as exc:
         raise CodecError(f"fragment {fragment.index}: payload does not decode: {exc}") from exc
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         bad = int((~torch.isfinite(values)).sum())
         raise NonFiniteError(f"fragment {fragment.index}: {bad} non-finite values")
     return values

@@ -103,7 +103,7 @@ class Int8BlockCodec:
         """Per-value quantisation step (the block's scale) for ``values``."""
         return _block_steps(values, self.block_size, 127.0)
 
-    def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor:
         view = memoryview(payload).cast("B")
         if len(view) < _I8_HEAD.size:
             raise CodecError("int8_block payload shorter than its header")
@@ -186,7 +186,7 @@ def _encode_packed(flat: np.ndarray, size: int, per_byte: int, quantize: _Quanti
     return scales, packed
 
 
-def _read_packed(name: str, magic: bytes, per_byte: int, payload: bytes | memoryview,
+def _read_packed(name: str, magic: bytes, per_byte: int, payload: bytes | bytearray | memoryview,
                  num_values: int) -> tuple[int, np.ndarray, np.ndarray]:
     """Check a sub-byte codec's header, exact length and scales; -> (block size, scales, codes).
 
@@ -314,7 +314,7 @@ class Int4BlockCodec:
         """Per-value quantisation step (the block's scale) for ``values``."""
         return _block_steps(values, self.block_size, float(_I4_LEVELS))
 
-    def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor:
         size, scales, packed = _read_packed(self.name, b"I4", 2, payload, num_values)
         whole = num_values // 2
         pairs = packed[:whole]  # code 0 in either nibble: a low nibble of 0, or a byte below 16
@@ -446,7 +446,7 @@ class Int2BlockCodec:
         |x| - 1.5104 sigma, not bounded by the step (``ErrorFeedback`` carries it)."""
         return self.sigma(values) * float(np.float32(_I2_OUTER) - np.float32(_I2_INNER))
 
-    def decode(self, payload: bytes | memoryview, num_values: int) -> torch.Tensor:
+    def decode(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor:
         size, scales, packed = _read_packed(self.name, b"I2", 4, payload, num_values)
         if num_values % 4 and packed[-1] >> (2 * (num_values % 4)):
             raise CodecError("int2_block payload has non-zero padding bits in its last code byte")

@@ -59,7 +59,7 @@ from torch import nn
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
-from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
+from ddiloco.fragments.outer_gradient import all_finite, gather, outer_gradient, scatter
 from ddiloco.fragments.partition import partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.apply import apply_global, counters_after_apply
@@ -561,7 +561,7 @@ class DecoupledSync:
         current = gather(frag, self.params)
         t0 = self._time("gather", t0)
         delta = outer_gradient(self.base[p], current)
-        finite = bool(torch.isfinite(delta).all())
+        finite = all_finite(delta)
         t0 = self._time("outer_gradient", t0)
         if not finite:
             self.heal([p], "non-finite outer gradient")
