@@ -26,7 +26,6 @@ import yaml
 
 from ddiloco.lab.chaos import FaultPlan
 from ddiloco.lab.event_logs import Tail
-from ddiloco.lab.global_eval import EvalCurve, GlobalModelEval, read_curve
 from ddiloco.lab.procs import exit_on_sigterm
 from ddiloco.lab.run_config import RUN_MODES, resolve, validate
 
@@ -36,6 +35,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
     from tqdm import tqdm
 
     from ddiloco.lab.cluster import LocalCluster
+    from ddiloco.lab.global_eval import EvalCurve, GlobalModelEval
 
     run = doc["run"]
     n, steps = int(run["learners"]), int(run["steps"])
@@ -120,6 +120,7 @@ def _status(target: str) -> dict[str, Any]:
 
 def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
     from ddiloco.lab.event_logs import load_jsonl
+    from ddiloco.lab.global_eval import read_curve
     from ddiloco.lab.goodput import fleet_summary
     from ddiloco.lab.invariants import check as check_invariants
     from ddiloco.learner.data import load_corpus, unigram_entropy
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         add_baseline(summary, baseline)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     try:
+        from ddiloco.lab.global_eval import read_curve
         from ddiloco.lab.plots import plot_run
 
         plot_run(out, out, global_eval=read_curve(out))

@@ -42,12 +42,13 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar, Literal, NamedTuple, Protocol, get_args
+from typing import ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import torch
 import zstandard
 
+from ddiloco.fragments.codec_names import CODEC_NAMES, CodecName
 from ddiloco.fragments.errors import CodecError
 from ddiloco.fragments.quantized import Int2BlockCodec, Int4BlockCodec, Int8BlockCodec, flat_fp32
 
@@ -420,10 +421,6 @@ def _decode_block(span: _Span, out: np.ndarray, scratch: _Scratch) -> None:
     bits = np.left_shift(exponent, np.uint16(7), out=scratch.get("bits", count, np.uint16), dtype=np.uint16)
     bits |= sign_mantissa
     np.left_shift(bits, np.uint32(16), out=out, dtype=np.uint32)  # bf16 -> fp32 is exact: a shift
-
-
-CodecName = Literal["fp32", "bf16_zstd", "int8_block", "int4_block", "int2_block"]
-CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 
 
 def make_codec(name: str, *, zstd_level: int = 1, threads: int = 2, int8_block: int = 256,

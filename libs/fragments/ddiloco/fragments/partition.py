@@ -16,32 +16,32 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ddiloco.fragments.errors import LayoutMismatchError
 
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float64: "float64",
-}
-_DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+"""Parameter dtypes a layout may hold, by name, and their bytes per value. Names, not torch
+dtypes, so that reading a layout (the protocol, ``ddiloco status``) does not import torch."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported parameter dtype {dtype}; supported: {sorted(_DTYPES_BY_NAME)}") from None
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPE_SIZES:
+        raise ValueError(f"unsupported parameter dtype {dtype}; supported: {sorted(_DTYPE_SIZES)}")
+    return name
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES_BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype name {name!r}; supported: {sorted(_DTYPES_BY_NAME)}") from None
+    if name not in _DTYPE_SIZES:
+        raise ValueError(f"unknown dtype name {name!r}; supported: {sorted(_DTYPE_SIZES)}")
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+        if self.dtype not in _DTYPE_SIZES:
+            raise ValueError(f"unknown dtype name {self.dtype!r}; supported: {sorted(_DTYPE_SIZES)}")
+        return self.numel * _DTYPE_SIZES[self.dtype]
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:

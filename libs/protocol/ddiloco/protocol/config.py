@@ -6,7 +6,7 @@ from pydantic.dataclasses import dataclass
 
 from ddiloco.core.config import STRICT
 from ddiloco.core.modes import Mode, preset
-from ddiloco.fragments.codec import CodecName
+from ddiloco.fragments.codec_names import CodecName
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)

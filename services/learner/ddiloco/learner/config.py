@@ -15,7 +15,7 @@ from pydantic.dataclasses import dataclass
 
 from ddiloco.core.config import STRICT, ConfigError, build, check_sections
 from ddiloco.core.modes import apply_mode
-from ddiloco.fragments.codec import CodecName
+from ddiloco.fragments.codec_names import CodecName
 from ddiloco.learner.data import DataConfig
 from ddiloco.learner.model import ModelConfig, model_section
 from ddiloco.protocol.client import check_target

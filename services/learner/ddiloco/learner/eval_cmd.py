@@ -31,9 +31,10 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FETCH_CHUNK_BYTES = 64 * 1024 * 1024
 """Largest chunk accepted from the synchronizer: the protocol's upper bound, so that reading the
@@ -291,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             check_target(target)
         except ValueError as exc:
             return fail(str(exc))
+    import torch
+
     torch.set_num_threads(args.threads or cfg.train.threads or available_cpus())
     try:
         result = evaluate_weights(cfg, model_file=args.model_file, synchronizers=args.synchronizer,
