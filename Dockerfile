@@ -43,8 +43,9 @@ RUN set -eu; \
     echo 'ddiloco:x:10001:' >> /etc/group; \
     echo 'ddiloco:x:10001:10001:ddiloco:/home/ddiloco:/usr/sbin/nologin' >> /etc/passwd; \
     mkdir -p /home/ddiloco /state; chown 10001:10001 /home/ddiloco /state
+# GLIBC_TUNABLES: fragment-sized buffers on transparent huge pages (ddiloco.core.resources.with_huge_pages)
 ENV PATH=/opt/ddiloco/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/home/ddiloco
+    PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/home/ddiloco GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 WORKDIR /home/ddiloco
 USER 10001:10001
 ENTRYPOINT ["ddiloco"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ddiloco.core.resources import available_cpus
+from ddiloco.core.resources import available_cpus, with_huge_pages
 from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
 from ddiloco.lab.event_logs import Tail
 from ddiloco.lab.procs import free_port, stop_processes
@@ -59,7 +59,7 @@ class LocalCluster:
     # -- processes ------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, DDILOCO_LOG_JSON="1", PYTHONUNBUFFERED="1")
+        env = with_huge_pages(dict(os.environ, DDILOCO_LOG_JSON="1", PYTHONUNBUFFERED="1"))
         with open(self.out / "logs" / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, env=env)
         self.procs[name] = proc

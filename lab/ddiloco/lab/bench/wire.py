@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import platform
 import socket
 import time
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "wire", "fragment_bytes": fp32_bytes, "repeat": args.repeat, "threads": args.threads,
         "grpcio": grpc.__version__, "machine": platform.machine(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "tcp_seconds": tcp, "tcp_gbs": tcp_gbs,
         "ratio": at_default[0]["ratio"] if at_default else max(r["ratio"] for r in fp32_rows),
         "best_ratio": max(r["ratio"] for r in fp32_rows), "goal_ratio": 0.5,

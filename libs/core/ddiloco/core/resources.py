@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+from collections.abc import Mapping
 
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
 
@@ -77,3 +78,28 @@ def fix_mmap_threshold(threshold_bytes: int = 1 << 20) -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
     except OSError:
         return False
+
+
+THP_TUNABLE = "glibc.malloc.hugetlb=1"
+"""glibc (2.35+) tunable: back the memory malloc maps with transparent huge pages where the
+kernel allows them (``madvise`` or ``always`` in /sys/kernel/mm/transparent_hugepage/enabled)."""
+
+
+def with_huge_pages(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a service process, with ``GLIBC_TUNABLES`` asking glibc for transparent huge
+    pages, unless the operator already chose a ``glibc.malloc.hugetlb`` value.
+
+    Every fragment a service receives or decodes lands in a fresh buffer of fragment size, and
+    a fresh 64 MiB buffer costs about 16,000 page faults: measured on 2 cores, joining 16 chunks
+    into 64 MiB took 35-44 ms with 4 KiB pages and 17-20 ms with huge pages, and a 64 MiB fp32
+    fragment's round trip over the Sync stream 470-490 ms against 350-405 ms. The synchronizer's
+    resident bytes per parameter were unchanged (12.7 against 12.9, within the run-to-run spread).
+    glibc reads the tunable when a process starts, so it is set for the processes started here
+    (and in the service images); a C library other than glibc ignores it.
+    """
+    out = dict(env)
+    current = out.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in current:
+        return out
+    out["GLIBC_TUNABLES"] = f"{current}:{THP_TUNABLE}" if current else THP_TUNABLE
+    return out
