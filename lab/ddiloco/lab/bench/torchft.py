@@ -22,8 +22,9 @@ Three measurements, each for both systems:
   two inner steps of each), whether the job dies (a replica exits with an error before the
   end) and how long after the kill, and when syncs succeed again.
 
-Ratios are torchft / ddiloco. torchft is imported only here and only in its replica processes;
-it is an optional extra (``pip install 'ddiloco-lab[peers]'``), never a dependency of ddiloco.
+Ratios are torchft / ddiloco. torchft is imported only in the replica processes
+(``ddiloco.lab.bench.torchft_replica``), never by this module; it is an optional extra
+(``pip install 'ddiloco-lab[peers]'``), never a dependency of ddiloco.
 """
 
 from __future__ import annotations
