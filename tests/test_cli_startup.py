@@ -38,8 +38,11 @@ def test_a_listing_a_status_or_a_refusal_does_not_import_torch(argv: list[str], 
 
 
 def test_the_fragments_package_loads_its_modules_on_first_use() -> None:
-    code = ("import sys; import ddiloco.fragments as f; import ddiloco.protocol.wire, ddiloco.fragments.chunking;"
+    code = ("import sys, types; import ddiloco.protocol.wire, ddiloco.fragments.chunking;"
+            "import ddiloco.fragments.partition, ddiloco.fragments.outer_gradient, ddiloco.fragments as f;"
             "assert 'torch' not in sys.modules, 'torch-free parts pulled torch in';"
+            "modules = [n for n in f.__all__ if isinstance(getattr(f, n), types.ModuleType)];"
+            "assert not modules, f'these names give a module, not the function: {modules}';"
             "assert f.make_codec('fp32').name == 'fp32' and 'torch' in sys.modules;"
             "assert sorted(f.__all__) == sorted(f._EXPORTS) and set(f.__all__) <= set(dir(f));"
             "import ddiloco.fragments.codec as c; assert f.Fp32Codec is c.Fp32Codec;"

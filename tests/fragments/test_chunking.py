@@ -422,6 +422,7 @@ def test_a_reassembled_fp32_transfer_is_decoded_without_a_copy_and_a_bytes_paylo
     values = torch.randn(LAYOUT[0].numel)
     transfer = _transfer(values, codec_name="fp32")
     assert isinstance(transfer.payload, bytearray), "reassembly hands over a buffer of its own"
+    assert hash(transfer) == hash(Transfer(transfer.header, bytes(transfer.payload), transfer.received_at))
     decoded = decode_fragment(transfer, LAYOUT)
     assert torch.equal(decoded, values)
     decoded[0] = 123.0  # the tensor took the transfer's buffer over

@@ -6,15 +6,21 @@ The data path, one module per stage: ``partition`` (tensors -> P fragments) -> `
 CRC-32C, digest, strict reassembly) -> ``payload`` (layout checks and decode) -> ``wire``
 (protobuf messages; the only importer of the generated code).
 
-Importing the package loads none of the modules: each name below comes from its module on first
-use, so reaching a torch-free module such as ``ddiloco.fragments.chunking`` (the protocol's and
-``ddiloco status``'s) does not import torch through this file.
+Importing the package loads only torch-free modules; every other name below comes from its
+module on first use, so reaching ``ddiloco.fragments.chunking`` (the protocol's and ``ddiloco
+status``'s) does not import torch through this file.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+# ``partition`` and ``outer_gradient`` each name a function and the module defining it. Importing
+# such a module (chunking and payload do) sets the package's attribute to the module, so the two
+# functions are bound here, from their torch-free modules, where no later import replaces them.
+from ddiloco.fragments.outer_gradient import outer_gradient
+from ddiloco.fragments.partition import partition
 
 _MODULES: dict[str, tuple[str, ...]] = {
     "chunking": ("DEFAULT_MAX_CHUNK_BYTES", "Chunk", "Reassembler", "Transfer", "TransferHeader", "split"),
@@ -78,8 +84,8 @@ if TYPE_CHECKING:
         ReorderedChunkError,
         ShapeMismatchError,
     )
-    from ddiloco.fragments.outer_gradient import all_finite, gather, outer_gradient, scatter
-    from ddiloco.fragments.partition import Fragment, FragmentLayout, TensorSpec, partition, partition_tensors
+    from ddiloco.fragments.outer_gradient import all_finite, gather, scatter
+    from ddiloco.fragments.partition import Fragment, FragmentLayout, TensorSpec, partition_tensors
     from ddiloco.fragments.payload import check_header, decode_fragment, encode_fragment
     from ddiloco.fragments.schedule import FragmentSchedule
 

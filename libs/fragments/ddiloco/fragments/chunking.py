@@ -85,9 +85,10 @@ class Transfer:
     """A complete, verified transfer."""
 
     header: TransferHeader
-    payload: bytes | bytearray
+    payload: bytes | bytearray = field(hash=False)
     """The payload; reassembly hands each transfer a bytearray of its own, which ``Fp32Codec``
-    takes over instead of copying."""
+    takes over instead of copying: once decoded, the payload is the decoded tensor's memory and is
+    not to be read again (an in-place change to the tensor changes it)."""
     received_at: float = field(default_factory=time.monotonic)
 
 

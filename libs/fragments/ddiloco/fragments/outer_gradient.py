@@ -10,14 +10,18 @@ result. ``Delta = base - theta`` (the sign convention of DiLoCo: the outer optim
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from ddiloco.fragments.partition import Fragment
+
+if TYPE_CHECKING:
+    import torch
 
 
 def gather(fragment: Fragment, params: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the fragment's tensors, in order, into one flat fp32 CPU buffer."""
+    import torch
+
     if out is None:
         out = torch.empty(fragment.numel, dtype=torch.float32)
     elif out.numel() != fragment.numel or out.dtype != torch.float32:
@@ -30,6 +34,8 @@ def gather(fragment: Fragment, params: Mapping[str, torch.Tensor], out: torch.Te
 
 def scatter(fragment: Fragment, flat: torch.Tensor, params: Mapping[str, torch.Tensor]) -> None:
     """Write a flat fp32 buffer back into the fragment's parameters (in place, their dtype)."""
+    import torch
+
     if flat.numel() != fragment.numel:
         raise ValueError(f"flat buffer has {flat.numel()} values, fragment {fragment.index} has {fragment.numel}")
     with torch.no_grad():
@@ -40,6 +46,8 @@ def scatter(fragment: Fragment, flat: torch.Tensor, params: Mapping[str, torch.T
 
 def outer_gradient(base: torch.Tensor, current: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Delta = base - current, computed in fp32 (inputs of lower precision are upcast first)."""
+    import torch
+
     if base.shape != current.shape:
         raise ValueError(f"shape mismatch: base {tuple(base.shape)} vs current {tuple(current.shape)}")
     b = base if base.dtype == torch.float32 else base.float()
@@ -63,6 +71,8 @@ def all_finite(values: torch.Tensor) -> bool:
     3 ms against 42). A non-finite sum is either a non-finite value or finite values whose sum
     overflows; only then is every value checked.
     """
+    import torch
+
     if values.numel() == 0:
         return True
     if bool(torch.isfinite(values.sum())):
