@@ -92,8 +92,9 @@ def with_huge_pages(env: Mapping[str, str]) -> dict[str, str]:
     Every fragment a service receives or decodes lands in a fresh buffer of fragment size, and
     a fresh 64 MiB buffer costs about 16,000 page faults: measured on 2 cores, joining 16 chunks
     into 64 MiB took 35-44 ms with 4 KiB pages and 17-20 ms with huge pages, and a 64 MiB fp32
-    fragment's round trip over the Sync stream 470-490 ms against 350-405 ms. The synchronizer's
-    resident bytes per parameter were unchanged (12.7 against 12.9, within the run-to-run spread).
+    fragment's round trip over the Sync stream 530 ms against 408 ms (medians of 3 runs; numbers in
+    docs/benchmarks.md). The synchronizer's resident bytes per parameter were unchanged (12.7
+    against 12.9, within the run-to-run spread).
     glibc reads the tunable when a process starts, so it is set for the processes started here
     (and in the service images); a C library other than glibc ignores it.
     """

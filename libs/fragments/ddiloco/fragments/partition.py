@@ -35,9 +35,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def dtype_size(name: str) -> int:
+    """Bytes per value of the dtype called ``name``; ValueError for a name a layout cannot hold."""
+    try:
+        return _DTYPE_SIZES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r}; supported: {sorted(_DTYPE_SIZES)}") from None
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    if name not in _DTYPE_SIZES:
-        raise ValueError(f"unknown dtype name {name!r}; supported: {sorted(_DTYPE_SIZES)}")
+    dtype_size(name)  # refuses an unknown name
     import torch
 
     dtype: torch.dtype = getattr(torch, name)
@@ -58,9 +65,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        if self.dtype not in _DTYPE_SIZES:
-            raise ValueError(f"unknown dtype name {self.dtype!r}; supported: {sorted(_DTYPE_SIZES)}")
-        return self.numel * _DTYPE_SIZES[self.dtype]
+        return self.numel * dtype_size(self.dtype)
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
