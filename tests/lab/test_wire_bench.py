@@ -1,5 +1,6 @@
 """``ddiloco bench wire`` runs end to end (a real grpc.aio server and a real socket pair on
-loopback), verifies the bytes it got back, and reports its ratio; bad options are refused."""
+loopback), verifies the bytes it got back, and reports its ratio and gRPC's own (plain bytes on
+the same server); bad options are refused."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
     assert fp32["wire_bytes"] == 4 << 20 and zstd["wire_bytes"] < fp32["wire_bytes"] / 2  # bf16 + zstd
     assert all(r["seconds"] > 0 and r["ratio"] > 0 for r in rows)
     assert printed["ratio"] > 0 and printed["goal_ratio"] == 0.5
+    # the plain-bytes baseline ran (and checked what came back) on the same server for every case
+    assert all(r["grpc_bytes_seconds"] > 0 and r["vs_grpc_bytes"] == r["grpc_bytes_seconds"] / r["seconds"]
+               for r in rows)
+    fp32_rows = [r for r in rows if r["codec"] == "fp32"]
+    assert printed["grpc_bytes_ratio"] in [printed["tcp_seconds"] / r["grpc_bytes_seconds"] for r in fp32_rows]
 
 
 def test_bad_options_are_refused(capsys):

@@ -123,14 +123,14 @@ class SyncStream:
     async def send_transfer(self, chunks: list[Chunk]) -> None:
         async with self._transfer_lock:
             for chunk in chunks:
-                await self._write(wire.learner_message_to_pb(chunk))
+                await self._write(chunk)  # serialized by the stub without a protobuf copy
                 self.bytes_sent += len(chunk.data)
 
     async def send(self, message: wire.Heartbeat | wire.Goodbye) -> None:
         await self._write(wire.learner_message_to_pb(message))
 
     async def send_raw(self, message: Any) -> None:
-        """Write a raw protobuf LearnerMessage (tests use it to send malformed input)."""
+        """Write a protobuf LearnerMessage or a Chunk as it is (tests use it to send malformed input)."""
         await self._write(message)
 
     async def receive(self, timeout_s: float | None = None) -> Transfer | wire.SynchronizerMessage:

@@ -191,7 +191,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 if isinstance(item, GlobalTransfer):
                     for chunk in item.chunks:
                         engine.metrics.bytes_out.inc(len(chunk.data))
-                        yield wire.synchronizer_message_to_pb(chunk)
+                        yield chunk  # serialized without a protobuf copy
                 else:
                     yield wire.synchronizer_message_to_pb(item)
         finally:
@@ -278,7 +278,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
         for transfer in transfers:
             for chunk in transfer.chunks:
                 self.engine.metrics.bytes_out.inc(len(chunk.data))
-                yield wire.chunk_to_pb(chunk)
+                yield chunk
 
     async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
         denied = self.gate.check_status(self._identities(context))
