@@ -18,14 +18,18 @@ def cli(*args: str) -> list[str]:
 
 @contextlib.contextmanager
 def synchronizer(tmp_path: pathlib.Path, *args: str, timeout_s: float = 60.0,
-                 log: pathlib.Path | None = None) -> Iterator[str]:
+                 log: pathlib.Path | None = None, started: list[subprocess.Popen[bytes]] | None = None
+                 ) -> Iterator[str]:
     """Run ``ddiloco synchronizer`` with ``args`` (state dir under ``tmp_path`` unless given);
-    yields its ``HOST:PORT`` once it listens, and stops it (SIGTERM, then SIGKILL) on exit."""
+    yields its ``HOST:PORT`` once it listens, and stops it (SIGTERM, then SIGKILL) on exit. The
+    process is appended to ``started`` for tests that signal it."""
     ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
     state = [] if "--state-dir" in args else ["--state-dir", str(tmp_path / "state")]
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cli("synchronizer", "--listen", "127.0.0.1:0", "--ready-file", str(ready), *state, *args),
                             stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
+    if started is not None:
+        started.append(proc)
     try:
         deadline = time.monotonic() + timeout_s
         while not ready.exists():

@@ -266,3 +266,52 @@ def test_a_two_rank_torchrun_learner_streams_once_and_keeps_its_ranks_identical(
     assert merged, "no contribution of the two-rank learner was merged"
     single_events = _events(tmp_path / "single.jsonl")
     assert any(e["event"] == "apply" for e in single_events)
+
+
+@pytest.mark.slow
+def test_a_second_drain_ends_the_wait_for_results(tmp_path):
+    """A stopped synchronizer answers nothing: ``finish()`` would wait its 30 s for the results of
+    what was sent. A second ``drain()`` (the service's second SIGTERM) ends the wait at once, and
+    what is unanswered is recorded as dropped."""
+    import signal
+    import threading
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(PROTOCOL)
+    started: list[subprocess.Popen[bytes]] = []
+    with synchronizer(tmp_path, "--config", str(cfg), "--quorum", "1", started=started) as target:
+        model = _mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        log = tmp_path / "events.jsonl"
+        sync = DecoupledSync(model, optimizer=opt, synchronizer=target, learner_id="a", fragments=3, sync_every=4,
+                             event_log=str(log), join_timeout_s=60.0)
+        assert sync.join() == 0
+        started[0].send_signal(signal.SIGSTOP)
+        try:
+            x = torch.randn(16, 8)
+            for _ in range(8):  # two rounds of sends, none of them answered
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sync.step(tokens=16, loss=float(loss))
+            sync.drain()
+            assert sync.draining
+            result: list[bool] = []
+            finisher = threading.Thread(target=lambda: result.append(sync.finish()))
+            finisher.start()
+            finisher.join(timeout=2.0)
+            assert finisher.is_alive(), "finish() should be waiting for the results"
+            assert sync.comm.pending() > 0
+            asked = time.monotonic()
+            sync.drain()
+            finisher.join(timeout=20.0)
+            assert not finisher.is_alive() and time.monotonic() - asked < 10
+            assert result == [False]
+        finally:
+            started[0].send_signal(signal.SIGCONT)
+    events = _events(log)
+    flushed = next(e for e in events if e["event"] == "flushed")
+    assert flushed["all_answered"] is False and flushed["pending_s"] < 15
+    dropped = [e for e in events if e["event"] == "dropped"]
+    assert dropped and all("answered" in e["reason"] for e in dropped)

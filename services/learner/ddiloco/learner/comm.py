@@ -160,6 +160,8 @@ class Comm:
         self.joined = False
         self.synchronizer_id = ""
         self.draining = threading.Event()
+        self.hurry = threading.Event()
+        """Set by a second stop request: ``flush`` stops waiting for contribution results."""
         self.connected = threading.Event()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -262,9 +264,9 @@ class Comm:
             return sum(len(q) for q in self._outbound.values()) + len(self._unacked)
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every submitted contribution has been answered (or timeout)."""
+        """Wait until every submitted contribution has been answered (or timeout, or ``hurry``)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.hurry.is_set():
             if self.pending() == 0:
                 return True
             time.sleep(0.05)

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, SyncError) as exc:  # the model, data and protocol do not fit together
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: learner.comm.draining.set())
+    # the first SIGTERM drains; a second one stops waiting for the results of sent contributions
+    signal.signal(signal.SIGTERM, lambda *_: learner.sync.drain())
     # fault injection for tests and chaos plans: the parameters turn NaN at the next step boundary
     signal.signal(signal.SIGUSR1, lambda *_: learner.poisoned.set())
     # ... and from the next send on, every outer gradient is scaled by corrupt_factor (a hostile learner)

@@ -239,6 +239,7 @@ class DecoupledSync:
         self._last_end = 0.0
         self._ended = False
         self._closed = False
+        self._drain_requested = False
         self._touched: dict[int, bool] = {}
         """Fragments whose parameters this step's boundary overwrote: fragment -> healed."""
         self._agreed_drain = False
@@ -271,7 +272,12 @@ class DecoupledSync:
         return self.comm.draining.is_set()
 
     def drain(self) -> None:
-        """Ask the training loop to stop at its next step boundary (safe from a signal handler)."""
+        """Ask the training loop to stop at its next step boundary. Called again, it also ends
+        ``finish()``'s wait for the results of sent contributions (an operator's second SIGTERM).
+        Safe from a signal handler."""
+        if self._drain_requested:
+            self.comm.hurry.set()
+        self._drain_requested = True
         self.comm.draining.set()
 
     @property
@@ -506,7 +512,14 @@ class DecoupledSync:
             self.events.close()
             return True
         started = time.monotonic()
-        answered = self.comm.flush(timeout_s=flush_timeout_s) if self.joined else True
+        pending = self.comm.pending() if self.joined else 0
+        if pending:
+            self.log.info("waiting for contribution results", pending=pending, timeout_s=flush_timeout_s,
+                          hint="a second SIGTERM leaves without waiting")
+        answered = self.comm.flush(timeout_s=flush_timeout_s) if pending else True
+        if not answered:
+            self.log.warning("leaving with contributions unanswered", pending=self.comm.pending(),
+                             reason="second stop request" if self.comm.hurry.is_set() else "flush timeout")
         self.comm.stop(reason or ("drained" if self.draining else "finished"))
         if self.joined:
             self.events.emit("flushed", all_answered=answered, pending_s=time.monotonic() - started)
