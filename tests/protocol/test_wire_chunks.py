@@ -142,3 +142,54 @@ def test_a_message_with_more_than_the_chunk_reads_as_protobuf_reads_it() -> None
     assert _same_as_protobuf("learner", chunk + beat)[0] == "other"
     assert _same_as_protobuf("learner", beat + chunk)[0] == "chunk"
     assert _same_as_protobuf("learner", chunk + chunk)[0] == "chunk"
+
+
+def _overlong(value: int, size: int) -> bytes:
+    """``value`` as a varint padded to ``size`` bytes: valid in form, longer than protobuf writes."""
+    out = bytearray()
+    for i in range(size):
+        out.append((value >> (7 * i)) & 0x7F | (0x80 if i < size - 1 else 0))
+    return bytes(out)
+
+
+@pytest.mark.parametrize("size", [2, 5, 6, 10])
+@pytest.mark.parametrize("padded", ["data key", "data length", "chunk key", "chunk length"])
+def test_padded_varints_read_as_protobuf_reads_them(padded: str, size: int) -> None:
+    """Keys and lengths the reader takes out by hand, written longer than they need be: protobuf
+    accepts some such encodings and refuses others; the reader answers exactly as it does."""
+    data = b"hello"
+    data_key = _overlong(4 << 3 | 2, size) if padded == "data key" else b"\x22"
+    data_len = _overlong(len(data), size) if padded == "data length" else bytes([len(data)])
+    body = _field(transfer_id=5) + data_key + data_len + data + _field(crc32c=7)
+    chunk_key = _overlong(2 << 3 | 2, size) if padded == "chunk key" else b"\x12"
+    chunk_len = _overlong(len(body), size) if padded == "chunk length" else wire._varint(len(body))
+    for kind in ("learner", "synchronizer"):
+        _same_as_protobuf(kind, chunk_key + chunk_len + body)
+    if padded.startswith("data"):
+        _same_as_protobuf("fetch", body)
+
+
+def _nested_groups(depth: int) -> bytes:
+    """An unknown field of ``depth`` nested groups (field 15: start group 0x7B, end group 0x7C)."""
+    return b"\x7b" * depth + b"\x7c" * depth
+
+
+@pytest.mark.parametrize("depth", [90, 97, 98, 99, 100, 101])
+def test_nesting_limits_are_the_whole_messages(depth: int) -> None:
+    """Protobuf limits how deep messages nest; the fields read beside the data meet the limit at
+    the depth they have in the whole message, not one level higher."""
+    header = wire.header_to_pb(HEADER).SerializeToString() + _nested_groups(depth)
+    body = _field(transfer_id=1) + b"\x1a" + wire._varint(len(header)) + header + b"\x22\x03abc"
+    for kind in sorted(KINDS):
+        _same_as_protobuf(kind, _wrap(kind, body))
+
+
+def test_only_messages_of_at_most_16_fields_are_scanned() -> None:
+    """The scan runs on the event loop, field by field in Python: a message of more fields than a
+    chunk has (a million tiny ones would stall the loop for seconds) goes to protobuf's parser
+    whole, and reads as protobuf reads it."""
+    for fields, split_here in ((15, True), (16, False), (1_000_000, False)):
+        body = b"\x08\x00" * fields + b"\x22\x03abc"  # ``fields`` transfer ids, then the data
+        raw = _wrap("learner", body)
+        assert isinstance(wire.parse_learner_message(raw), wire.SplitChunk) is split_here
+        assert _same_as_protobuf("learner", raw)[0] == "chunk"

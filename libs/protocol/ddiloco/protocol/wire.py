@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from ddiloco.fragments.chunking import Chunk, TransferHeader
 from ddiloco.fragments.errors import CodecError, HeaderError
@@ -305,15 +305,21 @@ def chunk_from_pb(m: pb.FragmentChunk | SplitChunk) -> Chunk:
 # fragment that is 90-120 ms of copying on the sending side and 55-85 ms on the receiving side
 # (see docs/benchmarks.md). Chunk messages are therefore written and read here by hand. The
 # bytes are exactly the ones protobuf writes (its encoder emits fields in field-number order;
-# a test compares the two), so any protobuf implementation reads them, and any valid encoding
-# is read: a message this reader does not recognise as one chunk with one data field goes
-# through the protobuf parser unchanged.
+# a test compares the two), so any protobuf implementation reads them. Reading takes the data
+# out only where it is written as protobuf writes it (one data field, shortest varints for its
+# key and length and the message's, at most 16 fields); the other fields are parsed by
+# protobuf at the depth they have in the message, and anything else goes to protobuf's parser
+# whole. So what is read, and every error, is protobuf's own (tests compare the two).
 
 _LEN = 2  # protobuf wire type of length-delimited fields
 _DATA_FIELD = pb.FragmentChunk.DESCRIPTOR.fields_by_name["data"].number
 _LEARNER_CHUNK_FIELD = pb.LearnerMessage.DESCRIPTOR.fields_by_name["chunk"].number
 _SYNCHRONIZER_CHUNK_FIELD = pb.SynchronizerMessage.DESCRIPTOR.fields_by_name["chunk"].number
+_DATA_KEY = bytes([_DATA_FIELD << 3 | _LEN])
 _MAX_VARINT_BYTES = 10
+_MAX_CHUNK_FIELDS = 16
+"""A chunk has 5 fields; a message with more is left to protobuf's parser rather than scanned in
+Python (the scan runs on the event loop: millions of tiny fields would stall it for seconds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,15 +329,6 @@ class SplitChunk:
 
     rest: pb.FragmentChunk
     data: memoryview
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -346,33 +343,65 @@ def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     return -1, end + 1
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_CHUNK_KEYS: dict[type[Message], bytes] = {pb.LearnerMessage: _varint(_LEARNER_CHUNK_FIELD << 3 | _LEN),
+                                           pb.SynchronizerMessage: _varint(_SYNCHRONIZER_CHUNK_FIELD << 3 | _LEN)}
+
+
 def _chunk_parts(c: Chunk) -> tuple[list[bytes | memoryview], int]:
     """The serialized FragmentChunk of ``c`` as parts to join, and its length."""
+    data = c.data
+    if not isinstance(data, bytes):  # lengths count bytes, whatever the view's format
+        view = memoryview(data)
+        data = view.cast("B") if view.c_contiguous else view.tobytes()
     before = pb.FragmentChunk(transfer_id=c.transfer_id, index=c.index)
     if c.header is not None:
         before.header.CopyFrom(header_to_pb(c.header))
     parts: list[bytes | memoryview] = [before.SerializeToString()]
-    if len(c.data):
-        parts += [_varint(_DATA_FIELD << 3 | _LEN) + _varint(len(c.data)), c.data]
+    if len(data):
+        parts += [_DATA_KEY + _varint(len(data)), data]
     parts.append(pb.FragmentChunk(crc32c=c.crc32c).SerializeToString())
     return parts, sum(len(p) for p in parts)
 
 
-def _serialize_chunk(c: Chunk, field: int | None) -> bytes:
-    """``c`` as a FragmentChunk, or as the ``field`` of a LearnerMessage/SynchronizerMessage."""
+def _serialize_chunk(c: Chunk, outer: type[Message] | None) -> bytes:
+    """``c`` as a FragmentChunk, or as the chunk of an ``outer`` message."""
     parts, size = _chunk_parts(c)
-    if field is not None:
-        parts.insert(0, _varint(field << 3 | _LEN) + _varint(size))
+    if outer is not None:
+        parts.insert(0, _CHUNK_KEYS[outer] + _varint(size))
     return b"".join(parts)
 
 
-def _split_chunk(raw: bytes, start: int) -> SplitChunk | None:
-    """``raw[start:]`` as a FragmentChunk with exactly one data field, its data not copied; None
-    for anything else (the caller hands that to the protobuf parser)."""
+def _length(raw: bytes, pos: int, end: int) -> tuple[int, int]:
+    """A length written as protobuf writes it (the shortest varint): (length, where the bytes
+    start); (-1, 0) for anything else, which the caller leaves to protobuf's parser."""
+    size, body = _read_varint(raw, pos, end)
+    if size < 0 or body - pos != len(_varint(size)) or body + size > end:
+        return -1, 0
+    return size, body
+
+
+def _split_chunk(raw: bytes, start: int, outer: type[Message] | None) -> SplitChunk | None:
+    """``raw[start:]`` as a FragmentChunk whose one data field is written as protobuf writes it,
+    the data not copied; None for anything else (the caller hands that to protobuf's parser).
+    The other fields are parsed by protobuf, inside ``outer``'s chunk field when given, so depth
+    limits and errors are the ones the whole message would meet."""
     end, pos, data_at = len(raw), start, None
-    while pos < end:
+    for _ in range(_MAX_CHUNK_FIELDS):
+        if pos == end:
+            break
         key, after_key = _read_varint(raw, pos, end)
         wire_type, field = key & 7, key >> 3
+        if key < 0:
+            return None
         if wire_type == 0:
             _, after = _read_varint(raw, after_key, end)
         elif wire_type == 1:
@@ -385,42 +414,49 @@ def _split_chunk(raw: bytes, start: int) -> SplitChunk | None:
                 return None
             after = body + size
             if field == _DATA_FIELD:
-                if data_at is not None:
-                    return None  # the last one would win: leave that to protobuf
+                if data_at is not None or raw[pos:after_key] != _DATA_KEY or _length(raw, after_key, end)[0] < 0:
+                    return None  # repeated (the last one wins), or written unlike protobuf: its parser decides
                 data_at = (pos, body, after)
         else:
             return None  # groups and invalid wire types
-        if key < 0 or after > end:
+        if after > end:
             return None
         pos = after
+    else:
+        if pos != end:
+            return None  # more fields than a chunk has: not worth scanning in Python
     if data_at is None:
         return None
     key_at, body, after = data_at
-    rest = pb.FragmentChunk.FromString(raw[start:key_at] + raw[after:])
-    return SplitChunk(rest, memoryview(raw)[body:after])
+    rest = raw[start:key_at] + raw[after:]
+    if outer is None:
+        parsed = pb.FragmentChunk.FromString(rest)
+    else:
+        parsed = outer.FromString(_CHUNK_KEYS[outer] + _varint(len(rest)) + rest).chunk
+    return SplitChunk(parsed, memoryview(raw)[body:after])
 
 
-def _split_message(raw: bytes, field: int) -> SplitChunk | None:
-    """``raw`` as a message whose only field is ``field``, a chunk (see ``_split_chunk``)."""
-    key, pos = _read_varint(raw, 0, len(raw))
-    if key != field << 3 | _LEN:
+def _split_message(raw: bytes, outer: type[Message]) -> SplitChunk | None:
+    """``raw`` as an ``outer`` message whose only field is its chunk (see ``_split_chunk``)."""
+    key = _CHUNK_KEYS[outer]
+    if raw[:len(key)] != key:
         return None
-    size, body = _read_varint(raw, pos, len(raw))
+    size, body = _length(raw, len(key), len(raw))
     if size < 0 or body + size != len(raw):
         return None
-    return _split_chunk(raw, body)
+    return _split_chunk(raw, body, outer)
 
 
 def serialize_learner_message(msg: Chunk | pb.LearnerMessage) -> bytes:
     """The Sync stream's request serializer: a chunk by hand, any other message by protobuf."""
     if isinstance(msg, Chunk):
-        return _serialize_chunk(msg, _LEARNER_CHUNK_FIELD)
+        return _serialize_chunk(msg, pb.LearnerMessage)
     return msg.SerializeToString()
 
 
 def serialize_synchronizer_message(msg: Chunk | pb.SynchronizerMessage) -> bytes:
     if isinstance(msg, Chunk):
-        return _serialize_chunk(msg, _SYNCHRONIZER_CHUNK_FIELD)
+        return _serialize_chunk(msg, pb.SynchronizerMessage)
     return msg.SerializeToString()
 
 
@@ -432,15 +468,15 @@ def serialize_fragment_chunk(msg: Chunk | pb.FragmentChunk) -> bytes:
 
 def parse_learner_message(raw: bytes) -> pb.LearnerMessage | SplitChunk:
     """The Sync stream's request deserializer; raises ``MalformedMessage`` like protobuf does."""
-    return _split_message(raw, _LEARNER_CHUNK_FIELD) or pb.LearnerMessage.FromString(raw)
+    return _split_message(raw, pb.LearnerMessage) or pb.LearnerMessage.FromString(raw)
 
 
 def parse_synchronizer_message(raw: bytes) -> pb.SynchronizerMessage | SplitChunk:
-    return _split_message(raw, _SYNCHRONIZER_CHUNK_FIELD) or pb.SynchronizerMessage.FromString(raw)
+    return _split_message(raw, pb.SynchronizerMessage) or pb.SynchronizerMessage.FromString(raw)
 
 
 def parse_fragment_chunk(raw: bytes) -> pb.FragmentChunk | SplitChunk:
-    return _split_chunk(raw, 0) or pb.FragmentChunk.FromString(raw)
+    return _split_chunk(raw, 0, None) or pb.FragmentChunk.FromString(raw)
 
 
 _SYNC = f"/{SERVICE_NAME}/Sync"

@@ -161,7 +161,7 @@ class Comm:
         self.synchronizer_id = ""
         self.draining = threading.Event()
         self.hurry = threading.Event()
-        """Set by a second stop request: ``flush`` stops waiting for contribution results."""
+        """Set by a second stop request: ``flush`` stops waiting (what is unsent or unanswered is dropped)."""
         self.connected = threading.Event()
         self.bytes_sent = 0
         self.bytes_received = 0

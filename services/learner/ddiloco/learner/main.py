@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, SyncError) as exc:  # the model, data and protocol do not fit together
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return 2
-    # the first SIGTERM drains; a second one stops waiting for the results of sent contributions
+    # the first SIGTERM drains; a second one leaves at once, dropping what is unsent or unanswered
     signal.signal(signal.SIGTERM, lambda *_: learner.sync.drain())
     # fault injection for tests and chaos plans: the parameters turn NaN at the next step boundary
     signal.signal(signal.SIGUSR1, lambda *_: learner.poisoned.set())

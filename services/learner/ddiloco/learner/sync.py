@@ -272,9 +272,9 @@ class DecoupledSync:
         return self.comm.draining.is_set()
 
     def drain(self) -> None:
-        """Ask the training loop to stop at its next step boundary. Called again, it also ends
-        ``finish()``'s wait for the results of sent contributions (an operator's second SIGTERM).
-        Safe from a signal handler."""
+        """Ask the training loop to stop at its next step boundary. Called again (an operator's
+        second SIGTERM), it also ends ``finish()``'s wait: contributions not yet sent or not yet
+        answered are dropped (logged, and recorded in the event log). Safe from a signal handler."""
         if self._drain_requested:
             self.comm.hurry.set()
         self._drain_requested = True
@@ -514,8 +514,8 @@ class DecoupledSync:
         started = time.monotonic()
         pending = self.comm.pending() if self.joined else 0
         if pending:
-            self.log.info("waiting for contribution results", pending=pending, timeout_s=flush_timeout_s,
-                          hint="a second SIGTERM leaves without waiting")
+            self.log.info("waiting for contributions to be sent and answered", pending=pending,
+                          timeout_s=flush_timeout_s, hint="a second SIGTERM leaves at once, dropping them")
         answered = self.comm.flush(timeout_s=flush_timeout_s) if pending else True
         if not answered:
             self.log.warning("leaving with contributions unanswered", pending=self.comm.pending(),
