@@ -13,7 +13,9 @@ The baseline moves the same bytes through a plain TCP socket on the same loopbac
 (the server reads everything, then writes it back). Each server runs in a process of its own,
 as the synchronizer does, so client and server do not share an interpreter. ``ratio`` = raw TCP time / gRPC time
 for the fp32 payload (1.0: the stream costs nothing over the socket). Each figure is the best of
-``--repeat`` round trips. Variants of the HTTP/2 settings can be compared with ``--variant``.
+``--repeat`` round trips; with ``--rounds R`` every case and the TCP baseline are measured R
+times, interleaved, and the medians are reported (raw TCP's own time varies by up to 2x between
+runs on a shared machine). Variants of the HTTP/2 settings can be compared with ``--variant``.
 
 A second baseline, on the same gRPC server and channel options, echoes the same encoded payload
 as plain ``bytes`` messages of the same size (identity serializers, no protobuf, framing or
@@ -32,6 +34,8 @@ import multiprocessing
 import os
 import platform
 import socket
+import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -278,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="default", help=f"comma-separated HTTP/2 option sets: "
                         f"{', '.join(VARIANTS)}")
     parser.add_argument("--repeat", type=int, default=3, help="round trips per case (the best is kept)")
+    parser.add_argument("--rounds", type=int, default=1, help="measure every case (and raw TCP) this many "
+                        "times, interleaved, and report the medians (the machine's noise hits all alike)")
     parser.add_argument("--threads", type=int, default=2, help="codec and torch threads")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default="bench-results/wire.json", help="JSON results file")
@@ -293,44 +299,60 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         parser.error(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(VARIANTS)}")
-    if args.mib <= 0 or args.repeat < 1 or args.threads < 1 or not chunk_sizes or not all(
+    if args.mib <= 0 or args.repeat < 1 or args.rounds < 1 or args.threads < 1 or not chunk_sizes or not all(
             1024 <= c <= 64 * MIB for c in chunk_sizes):
-        parser.error("need --mib > 0, --repeat >= 1, --threads >= 1, chunk sizes in 1 KiB..64 MiB")
+        parser.error("need --mib > 0, --repeat >= 1, --rounds >= 1, --threads >= 1, chunk sizes in 1 KiB..64 MiB")
     torch.set_num_threads(args.threads)
     n = int(args.mib * MIB) // 4
     values = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.01
     layout = partition_tensors({"w": values.view(-1)}, 1)
     fp32_bytes = n * 4
 
-    tcp = tcp_round_trips(values.numpy().tobytes(), args.repeat)
+    cases = [(variant, chunk, codec_name) for variant in variants for chunk in chunk_sizes
+             for codec_name in ("fp32", "bf16_zstd")]
+    tcp_rounds: list[float] = []
+    measured: dict[tuple[str, int, str], list[tuple[float, int, float]]] = {case: [] for case in cases}
+    for round_index in range(args.rounds):  # interleaved: machine noise falls on every case alike
+        tcp_rounds.append(tcp_round_trips(values.numpy().tobytes(), args.repeat))
+        for case in cases:
+            variant, chunk, codec_name = case
+            measured[case].append(grpc_case(values, layout, codec_name, chunk, VARIANTS[variant], args.repeat,
+                                            args.threads))
+            if not args.json:
+                seconds, _, plain = measured[case][-1]
+                print(f"round {round_index + 1}/{args.rounds}: {variant} {chunk / MIB:.2f} MiB {codec_name}: "
+                      f"{seconds * 1e3:.1f} ms (plain bytes {plain * 1e3:.1f} ms, raw TCP "
+                      f"{tcp_rounds[-1] * 1e3:.1f} ms)", file=sys.stderr, flush=True)
+    tcp = statistics.median(tcp_rounds)
     tcp_gbs = 2 * fp32_bytes / tcp / 1e9
     if not args.json:
-        print(f"wire: {fp32_bytes / MIB:.0f} MiB fragment, round trip on loopback, best of {args.repeat}; "
-              f"grpcio {grpc.__version__}")
+        print(f"wire: {fp32_bytes / MIB:.0f} MiB fragment, round trip on loopback, best of {args.repeat}"
+              f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}; grpcio {grpc.__version__}")
         print(f"raw TCP: {tcp * 1e3:.1f} ms, {tcp_gbs:.2f} GB/s")
         print(f"{'variant':>9} {'chunk MiB':>9} {'codec':>9} {'wire MiB':>9} {'ms':>8} {'frag GB/s':>10} "
               f"{'wire GB/s':>10} {'vs TCP':>7} {'bytes ms':>8} {'vs bytes':>8}")
     rows = []
-    for variant in variants:
-        for chunk in chunk_sizes:
-            for codec_name in ("fp32", "bf16_zstd"):
-                seconds, wire_bytes, plain = grpc_case(values, layout, codec_name, chunk, VARIANTS[variant],
-                                                       args.repeat, args.threads)
-                row = {"variant": variant, "chunk_bytes": chunk, "codec": codec_name, "wire_bytes": wire_bytes,
-                       "seconds": seconds, "fragment_gbs": 2 * fp32_bytes / seconds / 1e9,
-                       "wire_gbs": 2 * wire_bytes / seconds / 1e9, "ratio": tcp / seconds,
-                       "grpc_bytes_seconds": plain, "vs_grpc_bytes": plain / seconds}
-                rows.append(row)
-                if not args.json:
-                    print(f"{variant:>9} {chunk / MIB:>9.2f} {codec_name:>9} {wire_bytes / MIB:>9.1f} "
-                          f"{seconds * 1e3:>8.1f} {row['fragment_gbs']:>10.2f} {row['wire_gbs']:>10.2f} "
-                          f"{row['ratio']:>6.2f}x {plain * 1e3:>8.1f} {row['vs_grpc_bytes']:>6.2f}x", flush=True)
+    for (variant, chunk, codec_name), runs in measured.items():
+        seconds = statistics.median(r[0] for r in runs)
+        plain = statistics.median(r[2] for r in runs)
+        wire_bytes = runs[0][1]
+        row = {"variant": variant, "chunk_bytes": chunk, "codec": codec_name, "wire_bytes": wire_bytes,
+               "seconds": seconds, "fragment_gbs": 2 * fp32_bytes / seconds / 1e9,
+               "wire_gbs": 2 * wire_bytes / seconds / 1e9, "ratio": tcp / seconds,
+               "grpc_bytes_seconds": plain, "vs_grpc_bytes": plain / seconds,
+               "seconds_rounds": [r[0] for r in runs], "grpc_bytes_seconds_rounds": [r[2] for r in runs]}
+        rows.append(row)
+        if not args.json:
+            print(f"{variant:>9} {chunk / MIB:>9.2f} {codec_name:>9} {wire_bytes / MIB:>9.1f} "
+                  f"{seconds * 1e3:>8.1f} {row['fragment_gbs']:>10.2f} {row['wire_gbs']:>10.2f} "
+                  f"{row['ratio']:>6.2f}x {plain * 1e3:>8.1f} {row['vs_grpc_bytes']:>6.2f}x", flush=True)
     default_chunk = ProtocolConfig().max_chunk_bytes
     fp32_rows = [r for r in rows if r["codec"] == "fp32"]
     at_default = [r for r in fp32_rows if r["variant"] == "default" and r["chunk_bytes"] == default_chunk]
     default_row = at_default[0] if at_default else max(fp32_rows, key=lambda r: r["ratio"])
     result = {
-        "benchmark": "wire", "fragment_bytes": fp32_bytes, "repeat": args.repeat, "threads": args.threads,
+        "benchmark": "wire", "fragment_bytes": fp32_bytes, "repeat": args.repeat, "rounds": args.rounds,
+        "threads": args.threads, "tcp_seconds_rounds": tcp_rounds,
         "grpcio": grpc.__version__, "machine": platform.machine(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "tcp_seconds": tcp, "tcp_gbs": tcp_gbs,
