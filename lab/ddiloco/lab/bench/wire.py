@@ -331,16 +331,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raw TCP: {tcp * 1e3:.1f} ms, {tcp_gbs:.2f} GB/s")
         print(f"{'variant':>9} {'chunk MiB':>9} {'codec':>9} {'wire MiB':>9} {'ms':>8} {'frag GB/s':>10} "
               f"{'wire GB/s':>10} {'vs TCP':>7} {'bytes ms':>8} {'vs bytes':>8}")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (variant, chunk, codec_name), runs in measured.items():
         seconds = statistics.median(r[0] for r in runs)
         plain = statistics.median(r[2] for r in runs)
         wire_bytes = runs[0][1]
-        row = {"variant": variant, "chunk_bytes": chunk, "codec": codec_name, "wire_bytes": wire_bytes,
-               "seconds": seconds, "fragment_gbs": 2 * fp32_bytes / seconds / 1e9,
-               "wire_gbs": 2 * wire_bytes / seconds / 1e9, "ratio": tcp / seconds,
-               "grpc_bytes_seconds": plain, "vs_grpc_bytes": plain / seconds,
-               "seconds_rounds": [r[0] for r in runs], "grpc_bytes_seconds_rounds": [r[2] for r in runs]}
+        row: dict[str, Any] = {
+            "variant": variant, "chunk_bytes": chunk, "codec": codec_name, "wire_bytes": wire_bytes,
+            "seconds": seconds, "fragment_gbs": 2 * fp32_bytes / seconds / 1e9,
+            "wire_gbs": 2 * wire_bytes / seconds / 1e9, "ratio": tcp / seconds,
+            "grpc_bytes_seconds": plain, "vs_grpc_bytes": plain / seconds,
+            "seconds_rounds": [r[0] for r in runs], "grpc_bytes_seconds_rounds": [r[2] for r in runs]}
         rows.append(row)
         if not args.json:
             print(f"{variant:>9} {chunk / MIB:>9.2f} {codec_name:>9} {wire_bytes / MIB:>9.1f} "
