@@ -294,7 +294,7 @@ def test_a_second_drain_ends_the_wait_for_results(tmp_path):
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                sync.step(tokens=16, loss=float(loss))
+                sync.step(tokens=16, loss=float(loss.detach()))
             sync.drain()
             assert sync.draining
             result: list[bool] = []
