@@ -409,13 +409,12 @@ def _split_chunk(raw: bytes, start: int, outer: type[Message] | None) -> SplitCh
         elif wire_type == 5:
             after = after_key + 4
         elif wire_type == _LEN:
-            size, body = _read_varint(raw, after_key, end)
-            if size < 0:
-                return None
+            is_data = field == _DATA_FIELD
+            size, body = (_length if is_data else _read_varint)(raw, after_key, end)
+            if size < 0 or (is_data and (data_at is not None or raw[pos:after_key] != _DATA_KEY)):
+                return None  # broken, repeated (the last one wins) or written unlike protobuf: its parser decides
             after = body + size
-            if field == _DATA_FIELD:
-                if data_at is not None or raw[pos:after_key] != _DATA_KEY or _length(raw, after_key, end)[0] < 0:
-                    return None  # repeated (the last one wins), or written unlike protobuf: its parser decides
+            if is_data:
                 data_at = (pos, body, after)
         else:
             return None  # groups and invalid wire types
