@@ -157,6 +157,16 @@ def test_fingerprint_pins_names_shapes_dtypes_order_and_p() -> None:
     layout.check_same(partition(base, 4).fingerprint)
 
 
+def test_fingerprint_is_computed_once_and_survives_pickling() -> None:
+    import pickle
+
+    layout = partition(_gpt_like(), 4)
+    first = layout.fingerprint
+    assert layout.fingerprint is first  # cached: the learner stamps it on every transfer
+    copy = pickle.loads(pickle.dumps(layout))
+    assert copy == layout and copy.fingerprint == first and hash(copy) == hash(layout)
+
+
 def test_partition_tensors_of_a_real_module() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(100, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),

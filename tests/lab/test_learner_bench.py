@@ -54,3 +54,40 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):
         assert not work.exists() and not out.exists(), args  # no synchronizer, no results
         if args == ["--steps", "0"]:
             assert "--steps >= 1" in err
+
+
+def test_pinned_run_keeps_training_and_communication_apart(tmp_path):
+    """--pin: the training thread on the first CPU, the synchronizer's and the communication's
+    threads on the others, as read back from the kernel; a run per repeat pair reported."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--pin needs 2 CPUs; this process may use 1")
+    out = tmp_path / "learner.json"
+    proc = _bench("--json", "--out", str(out), "--pin", "--d-model", "32", "--n-layer", "2", "--context", "32",
+                  "--batch-size", "4", "--steps", "8", "--warmup", "2", "--repeats", "2", "--fragments", "4",
+                  "--sync-every", "4", "--overlap", "1", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout)
+    cpus = sorted(os.sched_getaffinity(0))
+    pinning = printed["pinning"]
+    assert pinning["training_cpus"] == cpus[:1] and pinning["other_cpus"] == cpus[1:]
+    seen = pinning["observed"]
+    assert seen["training"] == cpus[:1]
+    assert seen["communication"] and set(seen["communication"]) <= set(cpus[1:])
+    assert seen["synchronizer"] and set(seen["synchronizer"]) <= set(cpus[1:])
+    assert printed["cpus"] == len(cpus)
+    rows = printed["results"]
+    assert printed["pair_overheads"] == [1 - rows[i + 1]["steps_per_s"] / rows[i]["steps_per_s"] for i in (0, 2)]
+
+
+def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys):
+    import os
+
+    work, out = tmp_path / "work", tmp_path / "learner.json"
+    cpus = len(os.sched_getaffinity(0))
+    with pytest.raises(SystemExit) as exit_info:
+        learner_bench.main(["--pin", "--threads", str(cpus), "--workdir", str(work), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--pin needs a CPU left over" in err
+    assert not work.exists() and not out.exists()

@@ -16,7 +16,8 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
     out = tmp_path / "wire.json"
-    proc = _bench("--quick", "--json", "--variant", "frame16m", "--rounds", "2", "--out", str(out))
+    proc = _bench("--quick", "--json", "--variant", "frame16m", "--rounds", "2", "--streams", "2",
+                  "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = json.loads(proc.stdout)
     assert printed == json.loads(out.read_text())
@@ -36,12 +37,19 @@ def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
     assert printed["tcp_seconds"] == sum(printed["tcp_seconds_rounds"]) / 2
     assert all(len(r["seconds_rounds"]) == 2 and r["seconds"] == sum(r["seconds_rounds"]) / 2 for r in rows)
     assert printed["grpc_bytes_ratio"] in [printed["tcp_seconds"] / r["grpc_bytes_seconds"] for r in fp32_rows]
+    # the plain-bytes echo also ran on two streams at once (two connections), checked the same way
+    assert printed["streams"] == [1, 2]
+    assert all(set(r["grpc_bytes_streams_seconds"]) == {"1", "2"} and r["grpc_bytes_streams_seconds"]["2"] > 0
+               and r["grpc_bytes_streams_seconds"]["1"] == r["grpc_bytes_seconds"] for r in rows)
+    assert set(printed["grpc_bytes_ratio_streams"]) == {"1", "2"}
+    assert printed["grpc_bytes_ratio_streams"]["1"] == printed["grpc_bytes_ratio"]
 
 
 def test_bad_options_are_refused(capsys):
     from ddiloco.lab.bench.wire import main
 
-    for args in (["--variant", "turbo"], ["--chunk-mib", "abc"], ["--chunk-mib", "0"], ["--repeat", "0"], ["--rounds", "0"]):
+    for args in (["--variant", "turbo"], ["--chunk-mib", "abc"], ["--chunk-mib", "0"], ["--repeat", "0"], ["--rounds", "0"],
+                 ["--streams", "two"], ["--streams", "0"], ["--streams", "65"]):
         try:
             code = main(args)
         except SystemExit as exc:  # argparse's own refusals

@@ -19,6 +19,12 @@ per inner step. CPU time per inner step of this process and of the synchronizer'
 shows how much of the overhead is work competing for the same cores rather than time spent in
 ``step()``: on one machine the synchronizer's merges run on the learner's cores, which a
 deployment does not do.
+
+``--pin`` (Linux) takes that contention out: the training thread (and torch's threads) run on
+the first ``--threads`` CPUs, and every thread the synchronizer process and this learner's
+communication start (its event loop, gRPC's threads, codec workers) on the rest, read back and
+reported. What remains of the overhead is then ``step()`` itself and the training thread's
+waits for the Python interpreter lock, which the communication thread shares.
 """
 
 from __future__ import annotations
@@ -72,6 +78,27 @@ def _comm_timing(sync: Any, times: dict[str, list[float]]) -> Iterator[None]:
         comm.decode_fragment = original  # type: ignore[assignment]
 
 
+def _threads_of(pid: int) -> set[int]:
+    """Thread ids of process ``pid`` (Linux /proc)."""
+    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def _pin(tids: set[int], cpus: set[int]) -> None:
+    """Run each of ``tids`` only on ``cpus`` (threads that ended meanwhile are skipped)."""
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cpus)
+
+
+def _affinity(tids: set[int]) -> set[int]:
+    """The CPUs any of ``tids`` may run on, read back from the kernel."""
+    cpus: set[int] = set()
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):
+            cpus |= os.sched_getaffinity(tid)
+    return cpus
+
+
 def _proc_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) used so far by process ``pid`` (Linux /proc; 0.0 elsewhere)."""
     try:
@@ -119,6 +146,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[A
 
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.batch_size < 1 or args.threads < 0:
         parser.error("need --steps >= 1, --warmup >= 0, --repeats >= 1, --batch-size >= 1, --threads >= 0")
+    if args.pin:
+        if not (hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")):
+            parser.error("--pin needs Linux (per-thread CPU affinity)")
+        cpus = len(os.sched_getaffinity(0))
+        if cpus < 2 or args.threads >= cpus:
+            parser.error(f"--pin needs a CPU left over for communication and the synchronizer: this process "
+                         f"may use {cpus} CPU(s), --threads is {args.threads or cpus}")
     protocol = {k: v for k, v in (("num_fragments", args.fragments), ("sync_every", args.sync_every),
                                   ("overlap", args.overlap), ("mode", args.mode)) if v is not None}
     try:
@@ -156,13 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", help="protocol.mode (default: the protocol's)")
     parser.add_argument("--codec", default=None, help="learner codec (default: the learner's)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the CPUs this process may use)")
+    parser.add_argument("--pin", action="store_true", help="training on the first --threads CPUs (default: "
+                        "all but one), the synchronizer and the communication threads on the rest (Linux)")
     parser.add_argument("--workdir", help="folder for the synchronizer's config, state and log (default: a "
                         "temporary one, removed at the end)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default="bench-results/learner.json", help="JSON results file")
     args = parser.parse_args(argv)
     model_cfg, model, train_cfg, protocol = _check(args, parser)
-    threads = args.threads or available_cpus()
+    threads = args.threads or (len(os.sched_getaffinity(0)) - 1 if args.pin else available_cpus())
     torch.set_num_threads(threads)
     exit_on_sigterm()  # SIGTERM unwinds, so the processes this one started are stopped
     if args.workdir:
@@ -179,6 +215,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
     from ddiloco.learner.model import model_fingerprint, num_params
     from ddiloco.learner.sync import DecoupledSync, SyncError
 
+    cpus_allowed = available_cpus()  # before --pin narrows this thread's own
     cfg_path = work / "config.yaml"
     cfg_path.write_text(yaml.safe_dump({"protocol": protocol, "synchronizer": {}}))
     loop = InnerLoop(model, train_cfg, torch.device("cpu"))
@@ -196,9 +233,20 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
     sends = applies = 0
     cluster = LocalCluster(work, cfg_path, learners=1, steps=train_cfg.steps)
     quiet = args.json
+    pinning: dict[str, Any] | None = None
+    if args.pin:
+        inner_step()  # untimed: torch's own threads exist from here on, and stay with training
+        cpus = sorted(os.sched_getaffinity(0))
+        training_cpus, other_cpus = set(cpus[:threads]), set(cpus[threads:])
+        training_tids = _threads_of(os.getpid())
+        _pin(training_tids, training_cpus)
+        pinning = {"training_cpus": sorted(training_cpus), "other_cpus": sorted(other_cpus),
+                   "observed": {"training": set(), "communication": set(), "synchronizer": set()}}
     try:
         cluster.start_synchronizer()
         sync_pid = cluster.procs["synchronizer"].pid
+        if pinning is not None:  # threads it starts later inherit this from the thread starting them
+            _pin(_threads_of(sync_pid), other_cpus)
         if not quiet:
             print(f"learner: built-in GPT d_model {model_cfg.d_model} n_layer {model_cfg.n_layer} context "
                   f"{model_cfg.context} batch {args.batch_size} ({num_params(model) / 1e6:.2f}M params), "
@@ -222,6 +270,8 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
             with _comm_timing(sync, comm_times):
                 if sync.join(resume=False) is None:
                     raise SyncError("told to drain before joining")
+                if pinning is not None:  # the communication thread and what it started
+                    _pin(_threads_of(os.getpid()) - training_tids, other_cpus)
                 try:
                     for _ in range(args.warmup):
                         sync.step(tokens=tokens, loss=inner_step())
@@ -230,6 +280,11 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                         for _ in range(args.steps):
                             sync.step(tokens=tokens, loss=inner_step())
                     phases.append(on_phase)
+                    if pinning is not None:
+                        seen = pinning["observed"]
+                        seen["training"] |= _affinity(training_tids)
+                        seen["communication"] |= _affinity(_threads_of(os.getpid()) - training_tids)
+                        seen["synchronizer"] |= _affinity(_threads_of(sync_pid))
                     for phase, (calls, seconds) in sync.timings.items():
                         b = before.get(phase, [0, 0.0])
                         entry = timings.setdefault(phase, [0, 0.0])
@@ -270,13 +325,18 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                           "loop, same process, measured in this run",
         "learner_cpu_ms_per_step": {"off": cpu_ms("off", "cpu_s"), "on": cpu_ms("on", "cpu_s")},
         "synchronizer_cpu_ms_per_step": {"off": cpu_ms("off", "sync_cpu_s"), "on": cpu_ms("on", "sync_cpu_s")},
-        "cpus": available_cpus(),
+        "cpus": cpus_allowed,
         "sync_step_ms": sync_step_ms, "sync_step_fraction": sync_step_ms * off / 1e3,
         "per_fragment_ms": per_fragment,
         "per_fragment_thread": {**{k: "training" for k in SYNC_PHASES}, **{k: "communication" for k in COMM_PHASES}},
         "counts": {"sends": sends, "applies": applies, "encodes": len(comm_times["encode"]),
                    "decodes": len(comm_times["decode"]), "timed_sends": int(timings.get("handoff", [0])[0]),
                    "timed_applies": int(timings.get("apply", [0])[0])},
+        "pair_overheads": [1.0 - on_p.steps_per_s / off_p.steps_per_s
+                           for off_p, on_p in zip(phases[0::2], phases[1::2], strict=True)],
+        "pair_overheads_mean": "1 - on steps/s / off steps/s of each repeat's adjacent off and on phases "
+                               "(slow drifts of the machine cancel within a pair)",
+        "pinning": pinning and {**pinning, "observed": {k: sorted(v) for k, v in pinning["observed"].items()}},
         "results": [p.row() for p in phases],
     }
     out = save_result(result, args.out)
@@ -288,6 +348,11 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         print(f"{p.kind:>5} {p.repeat:>6} {p.steps_per_s:>9.2f} {1e3 * p.seconds / p.steps:>8.2f}")
     print(f"median: off {off:.2f} steps/s ({1e3 / off:.2f} ms), on {on:.2f} steps/s ({1e3 / on:.2f} ms); "
           f"overhead {overhead * 100:+.2f}% (goal < {GOAL * 100:.0f}%: {'met' if overhead < GOAL else 'MISSED'})")
+    print("per repeat (adjacent off and on): " + ", ".join(f"{o * 100:+.2f}%" for o in result["pair_overheads"]))
+    if pinning is not None:
+        seen = result["pinning"]["observed"]
+        print(f"pinned: training on CPUs {seen['training']}, communication on {seen['communication']}, "
+              f"synchronizer on {seen['synchronizer']} (read back)")
     lc, sc = result["learner_cpu_ms_per_step"], result["synchronizer_cpu_ms_per_step"]
     print(f"CPU ms per inner step: this process off {lc['off']:.1f}, on {lc['on']:.1f}; synchronizer process "
           f"off {sc['off']:.1f}, on {sc['on']:.1f} ({result['cpus']} CPUs)")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -216,31 +217,44 @@ async def _grpc_round_trips(port: int, make_chunks: Callable[[], list[Any]], fin
 
 
 async def _bytes_round_trips(port: int, payload: bytes, max_chunk_bytes: int, extra: list[tuple[str, Any]],
-                             repeat: int) -> float:
-    """Best seconds for ``payload``, in chunks of ``max_chunk_bytes``, through the plain-bytes echo."""
+                             repeat: int, streams: int = 1) -> float:
+    """Best seconds for ``payload``, in chunks of ``max_chunk_bytes``, through the plain-bytes echo;
+    with ``streams`` > 1 the payload is cut into that many parts, each echoed at the same time on a
+    stream of its own over a connection of its own."""
     best = float("inf")
     view = memoryview(payload)
-    options = client_options(message_limit(max_chunk_bytes)) + extra
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        echo = channel.stream_stream(_BYTES_ECHO, request_serializer=_identity, response_deserializer=_identity)
-        messages = [bytes(view[i:i + max_chunk_bytes]) for i in range(0, len(view), max_chunk_bytes)]
+    options = client_options(message_limit(max_chunk_bytes)) + extra + [("grpc.use_local_subchannel_pool", 1)]
+    bounds = [len(view) * i // streams for i in range(streams + 1)]
+    parts = [[bytes(view[i:min(i + max_chunk_bytes, end)]) for i in range(start, end, max_chunk_bytes)]
+             for start, end in itertools.pairwise(bounds)]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(streams)]
+
+    async def echo_part(channel: Any, messages: list[bytes]) -> list[bytes]:
+        call = channel.stream_stream(_BYTES_ECHO, request_serializer=_identity, response_deserializer=_identity)()
+        for message in messages:
+            await call.write(message)
+        await call.write(b"")
+        return [m async for m in call]
+
+    try:
         for _ in range(repeat):
             start = time.perf_counter()
-            call = echo()
-            for message in messages:
-                await call.write(message)
-            await call.write(b"")
-            back = bytearray().join([m async for m in call])
+            got = await asyncio.gather(*(echo_part(c, m) for c, m in zip(channels, parts, strict=True)))
+            back = bytearray().join([m for part in got for m in part])
             best = min(best, time.perf_counter() - start)
             if back != payload:
                 raise AssertionError("the plain-bytes echo returned other bytes")
+    finally:
+        for channel in channels:
+            await channel.close()
     return best
 
 
 def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max_chunk_bytes: int,
-              extra: list[tuple[str, Any]], repeat: int, threads: int) -> tuple[float, int, float]:
+              extra: list[tuple[str, Any]], repeat: int, threads: int,
+              streams: tuple[int, ...] = (1,)) -> tuple[float, int, dict[int, float]]:
     """(best round-trip seconds, bytes on the wire one way, best seconds of the plain-bytes echo
-    for the same wire bytes) for one case."""
+    for the same wire bytes on each number of ``streams``) for one case."""
     frag = layout[0]
     codec = make_codec(codec_name, threads=threads)
     sizes: list[int] = []
@@ -264,7 +278,8 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
         port = ports.get(timeout=120)
         seconds = asyncio.run(_grpc_round_trips(port, make_chunks, finish, max_chunk_bytes, extra, repeat))
         wire_payload = bytes(codec.encode(values))
-        plain = asyncio.run(_bytes_round_trips(port, wire_payload, max_chunk_bytes, extra, repeat))
+        plain = {n: asyncio.run(_bytes_round_trips(port, wire_payload, max_chunk_bytes, extra, repeat, n))
+                 for n in streams}
     finally:
         stop.set()
         child.join(timeout=30)
@@ -284,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="round trips per case (the best is kept)")
     parser.add_argument("--rounds", type=int, default=1, help="measure every case (and raw TCP) this many "
                         "times, interleaved, and report the medians (the machine's noise hits all alike)")
+    parser.add_argument("--streams", default="1", help="comma-separated numbers of parallel streams (each on a "
+                        "connection of its own) for the plain-bytes echo; 1 is always measured")
     parser.add_argument("--threads", type=int, default=2, help="codec and torch threads")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default="bench-results/wire.json", help="JSON results file")
@@ -294,14 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         chunk_sizes = [int(float(v) * MIB) for v in args.chunk_mib.split(",") if v.strip()]
         variants = [v.strip() for v in args.variant.split(",") if v.strip()]
+        streams = tuple(sorted({1} | {int(v) for v in args.streams.split(",") if v.strip()}))
     except ValueError:
-        parser.error("--chunk-mib takes numbers, e.g. 1,3.9375")
+        parser.error("--chunk-mib takes numbers, e.g. 1,3.9375; --streams whole numbers, e.g. 1,2,4")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         parser.error(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(VARIANTS)}")
     if args.mib <= 0 or args.repeat < 1 or args.rounds < 1 or args.threads < 1 or not chunk_sizes or not all(
-            1024 <= c <= 64 * MIB for c in chunk_sizes):
-        parser.error("need --mib > 0, --repeat >= 1, --rounds >= 1, --threads >= 1, chunk sizes in 1 KiB..64 MiB")
+            1024 <= c <= 64 * MIB for c in chunk_sizes) or not all(1 <= n <= 64 for n in streams):
+        parser.error("need --mib > 0, --repeat >= 1, --rounds >= 1, --threads >= 1, chunk sizes in 1 KiB..64 MiB, "
+                     "streams in 1..64")
     torch.set_num_threads(args.threads)
     n = int(args.mib * MIB) // 4
     values = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.01
@@ -311,17 +330,18 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(variant, chunk, codec_name) for variant in variants for chunk in chunk_sizes
              for codec_name in ("fp32", "bf16_zstd")]
     tcp_rounds: list[float] = []
-    measured: dict[tuple[str, int, str], list[tuple[float, int, float]]] = {case: [] for case in cases}
+    measured: dict[tuple[str, int, str], list[tuple[float, int, dict[int, float]]]] = {case: [] for case in cases}
     for round_index in range(args.rounds):  # interleaved: machine noise falls on every case alike
         tcp_rounds.append(tcp_round_trips(values.numpy().tobytes(), args.repeat))
         for case in cases:
             variant, chunk, codec_name = case
             measured[case].append(grpc_case(values, layout, codec_name, chunk, VARIANTS[variant], args.repeat,
-                                            args.threads))
+                                            args.threads, streams))
             if not args.json:
-                seconds, _, plain = measured[case][-1]
+                seconds, _, plain_by_n = measured[case][-1]
+                more = "".join(f", {n} streams {plain_by_n[n] * 1e3:.1f} ms" for n in streams if n > 1)
                 print(f"round {round_index + 1}/{args.rounds}: {variant} {chunk / MIB:.2f} MiB {codec_name}: "
-                      f"{seconds * 1e3:.1f} ms (plain bytes {plain * 1e3:.1f} ms, raw TCP "
+                      f"{seconds * 1e3:.1f} ms (plain bytes {plain_by_n[1] * 1e3:.1f} ms{more}, raw TCP "
                       f"{tcp_rounds[-1] * 1e3:.1f} ms)", file=sys.stderr, flush=True)
     tcp = statistics.median(tcp_rounds)
     tcp_gbs = 2 * fp32_bytes / tcp / 1e9
@@ -334,14 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for (variant, chunk, codec_name), runs in measured.items():
         seconds = statistics.median(r[0] for r in runs)
-        plain = statistics.median(r[2] for r in runs)
+        plain_streams = {n: statistics.median(r[2][n] for r in runs) for n in streams}
+        plain = plain_streams[1]
         wire_bytes = runs[0][1]
         row: dict[str, Any] = {
             "variant": variant, "chunk_bytes": chunk, "codec": codec_name, "wire_bytes": wire_bytes,
             "seconds": seconds, "fragment_gbs": 2 * fp32_bytes / seconds / 1e9,
             "wire_gbs": 2 * wire_bytes / seconds / 1e9, "ratio": tcp / seconds,
             "grpc_bytes_seconds": plain, "vs_grpc_bytes": plain / seconds,
-            "seconds_rounds": [r[0] for r in runs], "grpc_bytes_seconds_rounds": [r[2] for r in runs]}
+            "seconds_rounds": [r[0] for r in runs], "grpc_bytes_seconds_rounds": [r[2][1] for r in runs],
+            "grpc_bytes_streams_seconds": {str(n): t for n, t in plain_streams.items()}}
         rows.append(row)
         if not args.json:
             print(f"{variant:>9} {chunk / MIB:>9.2f} {codec_name:>9} {wire_bytes / MIB:>9.1f} "
@@ -365,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         "grpc_bytes_ratio_means": "raw TCP round-trip time / round-trip time of the same bytes in plain bytes "
                                   "messages on the same gRPC server (no protobuf, framing or checks): the most "
                                   "any protocol on grpc.aio reaches here",
+        "streams": list(streams),
+        "grpc_bytes_ratio_streams": {n: tcp / t for n, t in default_row["grpc_bytes_streams_seconds"].items()},
         "results": rows,
     }
     out = save_result(result, args.out)
@@ -372,5 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"ratio (default chunk and options, fp32) {result['ratio']:.2f}; best {result['best_ratio']:.2f} "
-              f"(goal >= 0.5); plain bytes on gRPC reach {result['grpc_bytes_ratio']:.2f}\nwrote {out}")
+              f"(goal >= 0.5); plain bytes on gRPC reach {result['grpc_bytes_ratio']:.2f}"
+              + "".join(f", on {n} streams {r:.2f}" for n, r in result["grpc_bytes_ratio_streams"].items() if n != "1")
+              + f"\nwrote {out}")
     return 0

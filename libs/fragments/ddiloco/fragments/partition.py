@@ -10,6 +10,7 @@ learner and the synchronizer can verify they agree before any bytes move.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
@@ -118,8 +119,10 @@ class FragmentLayout:
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.fragments)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
+        """A hash of every fragment's tensor names, shapes and dtypes, in order (computed once: the
+        layout is immutable, and the learner stamps it on every transfer)."""
         doc = [
             [[t.name, list(t.shape), t.dtype] for t in frag.tensors] for frag in self.fragments
         ]
