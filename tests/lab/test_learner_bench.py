@@ -58,7 +58,8 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):
 
 def test_pinned_run_keeps_training_and_communication_apart(tmp_path):
     """--pin: the training thread on the first CPU, the synchronizer's and the communication's
-    threads on the others, as read back from the kernel; a run per repeat pair reported."""
+    threads on the others, as read back from the kernel; the other CPUs' effect on a step measured
+    (and the busy loops stopped); an overhead per repeat pair reported."""
     import os
 
     if len(os.sched_getaffinity(0)) < 2:
@@ -77,8 +78,13 @@ def test_pinned_run_keeps_training_and_communication_apart(tmp_path):
     assert seen["communication"] and set(seen["communication"]) <= set(cpus[1:])
     assert seen["synchronizer"] and set(seen["synchronizer"]) <= set(cpus[1:])
     assert printed["cpus"] == len(cpus)
+    neighbour = pinning["neighbour"]  # timed with the other CPUs idle, then busy
+    assert neighbour["steps"] == 8 and neighbour["idle_step_ms"] > 0 and neighbour["busy_step_ms"] > 0
+    assert neighbour["slowdown"] == pytest.approx(neighbour["busy_step_ms"] / neighbour["idle_step_ms"] - 1)
     rows = printed["results"]
     assert printed["pair_overheads"] == [1 - rows[i + 1]["steps_per_s"] / rows[i]["steps_per_s"] for i in (0, 2)]
+    busy = subprocess.run(["pgrep", "-f", "while True"], capture_output=True, text=True).stdout.split()
+    assert not busy, busy  # the busy loops were stopped
 
 
 def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys):

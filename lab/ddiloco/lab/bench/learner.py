@@ -24,7 +24,10 @@ deployment does not do.
 the first ``--threads`` CPUs, and every thread the synchronizer process and this learner's
 communication start (its event loop, gRPC's threads, codec workers) on the rest, read back and
 reported. What remains of the overhead is then ``step()`` itself and the training thread's
-waits for the Python interpreter lock, which the communication thread shares.
+waits for the Python interpreter lock, which the communication thread shares, and whatever the
+machine's CPUs take from each other: before the repeats, ``--pin`` times inner steps with the
+other CPUs idle and then with a busy loop on each of them, and reports that slowdown
+(``pinning.neighbour``), a floor under the overhead that no change to the learner removes.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import yaml
 
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.bench import save_result
-from ddiloco.lab.procs import exit_on_sigterm
+from ddiloco.lab.procs import exit_on_sigterm, stop_processes
 
 GOAL = 0.02
 SYNC_PHASES = ("gather", "outer_gradient", "handoff", "apply")
@@ -97,6 +100,32 @@ def _affinity(tids: set[int]) -> set[int]:
         with contextlib.suppress(ProcessLookupError):
             cpus |= os.sched_getaffinity(tid)
     return cpus
+
+
+_BUSY = "import os, sys\nos.sched_setaffinity(0, {int(c) for c in sys.argv[1:]})\nwhile True:\n    pass\n"
+
+
+def neighbour_slowdown(step: Callable[[], object], steps: int, cpus: set[int]) -> dict[str, float]:
+    """Inner-step time with ``cpus`` idle, then with a busy Python loop on each of them: how much
+    work on the other CPUs slows this thread by itself (shared caches, memory, or one physical
+    core behind two virtual CPUs), which no change to the learner can take away."""
+    import subprocess
+    import sys
+
+    def timed() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) / steps
+
+    idle = timed()
+    busy = [subprocess.Popen([sys.executable, "-c", _BUSY, str(c)]) for c in sorted(cpus)]
+    try:
+        time.sleep(0.5)  # the loops are running
+        loaded = timed()
+    finally:
+        stop_processes(busy, grace_s=5.0)
+    return {"steps": steps, "idle_step_ms": 1e3 * idle, "busy_step_ms": 1e3 * loaded, "slowdown": loaded / idle - 1}
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -241,7 +270,12 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         training_tids = _threads_of(os.getpid())
         _pin(training_tids, training_cpus)
         pinning = {"training_cpus": sorted(training_cpus), "other_cpus": sorted(other_cpus),
-                   "observed": {"training": set(), "communication": set(), "synchronizer": set()}}
+                   "observed": {"training": set(), "communication": set(), "synchronizer": set()},
+                   "neighbour": neighbour_slowdown(inner_step, max(1, min(args.steps, 50)), other_cpus)}
+        if not quiet:
+            nb = pinning["neighbour"]
+            print(f"neighbour check: {nb['idle_step_ms']:.1f} ms/step with CPUs {sorted(other_cpus)} idle, "
+                  f"{nb['busy_step_ms']:.1f} ms with a busy loop on them ({nb['slowdown'] * 100:+.1f}%)", flush=True)
     try:
         cluster.start_synchronizer()
         sync_pid = cluster.procs["synchronizer"].pid
