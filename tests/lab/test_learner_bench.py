@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from ddiloco.core.resources import available_cpus
 from ddiloco.lab.bench import learner as learner_bench
 
 
@@ -77,14 +79,15 @@ def test_pinned_run_keeps_training_and_communication_apart(tmp_path):
     assert seen["training"] == cpus[:1]
     assert seen["communication"] and set(seen["communication"]) <= set(cpus[1:])
     assert seen["synchronizer"] and set(seen["synchronizer"]) <= set(cpus[1:])
-    assert printed["cpus"] == len(cpus)
-    neighbour = pinning["neighbour"]  # timed with the other CPUs idle, then busy
+    assert printed["cpus"] == available_cpus()
+    neighbour = pinning["neighbour"]  # timed with the other CPUs idle, busy, and idle again
     assert neighbour["steps"] == 8 and neighbour["idle_step_ms"] > 0 and neighbour["busy_step_ms"] > 0
+    assert neighbour["idle_step_ms"] == pytest.approx(sum(neighbour["idle_step_ms_before_after"]) / 2)
     assert neighbour["slowdown"] == pytest.approx(neighbour["busy_step_ms"] / neighbour["idle_step_ms"] - 1)
+    assert len(neighbour["pids"]) == len(cpus) - 1  # a busy loop on each other CPU ...
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in neighbour["pids"])  # ... stopped and reaped
     rows = printed["results"]
     assert printed["pair_overheads"] == [1 - rows[i + 1]["steps_per_s"] / rows[i]["steps_per_s"] for i in (0, 2)]
-    busy = subprocess.run(["pgrep", "-f", "while True"], capture_output=True, text=True).stdout.split()
-    assert not busy, busy  # the busy loops were stopped
 
 
 def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys):
@@ -97,3 +100,43 @@ def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--pin needs a CPU left over" in err
     assert not work.exists() and not out.exists()
+
+
+def _busy_children() -> list[int]:
+    """Live child processes of this one running the neighbour check's busy loop."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"getppid" in cmdline and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def test_neighbour_check_stops_its_busy_loops_when_a_step_fails():
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("the neighbour check needs 2 CPUs; this process may use 1")
+    calls = []
+
+    def step() -> None:
+        calls.append(1)
+        if len(calls) == 3 + 4 + 2:  # warm-up, the idle timing, then inside the busy timing
+            assert _busy_children(), "the busy loops run while the busy timing runs"
+            raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        learner_bench.neighbour_slowdown(step, 4, set(cpus[1:]))
+    assert _busy_children() == []
+    result = learner_bench.neighbour_slowdown(lambda: None, 2, set(cpus[1:]))
+    assert result["steps"] == 2 and len(result["pids"]) == len(cpus) - 1 and _busy_children() == []

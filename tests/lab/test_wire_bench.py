@@ -41,6 +41,7 @@ def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
     assert printed["streams"] == [1, 2]
     assert all(set(r["grpc_bytes_streams_seconds"]) == {"1", "2"} and r["grpc_bytes_streams_seconds"]["2"] > 0
                and r["grpc_bytes_streams_seconds"]["1"] == r["grpc_bytes_seconds"] for r in rows)
+    assert all(len(r["grpc_bytes_streams_seconds_rounds"]["2"]) == 2 for r in rows)
     assert set(printed["grpc_bytes_ratio_streams"]) == {"1", "2"}
     assert printed["grpc_bytes_ratio_streams"]["1"] == printed["grpc_bytes_ratio"]
 

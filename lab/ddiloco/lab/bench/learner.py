@@ -82,8 +82,11 @@ def _comm_timing(sync: Any, times: dict[str, list[float]]) -> Iterator[None]:
 
 
 def _threads_of(pid: int) -> set[int]:
-    """Thread ids of process ``pid`` (Linux /proc)."""
-    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    """Thread ids of process ``pid`` (Linux /proc; none once it is gone)."""
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    except OSError:
+        return set()
 
 
 def _pin(tids: set[int], cpus: set[int]) -> None:
@@ -102,13 +105,21 @@ def _affinity(tids: set[int]) -> set[int]:
     return cpus
 
 
-_BUSY = "import os, sys\nos.sched_setaffinity(0, {int(c) for c in sys.argv[1:]})\nwhile True:\n    pass\n"
+_BUSY = """import os, sys
+os.sched_setaffinity(0, {int(c) for c in sys.argv[1:]})
+parent = os.getppid()
+sys.stdout.write("r")
+sys.stdout.flush()
+while os.getppid() == parent:  # ends by itself if the benchmark is gone
+    for _ in range(100_000):
+        pass
+"""
 
 
-def neighbour_slowdown(step: Callable[[], object], steps: int, cpus: set[int]) -> dict[str, float]:
-    """Inner-step time with ``cpus`` idle, then with a busy Python loop on each of them: how much
-    work on the other CPUs slows this thread by itself (shared caches, memory, or one physical
-    core behind two virtual CPUs), which no change to the learner can take away."""
+def neighbour_slowdown(step: Callable[[], object], steps: int, cpus: set[int]) -> dict[str, Any]:
+    """Inner-step time with ``cpus`` idle, with a busy Python loop on each of them, and idle again:
+    how much work on the other CPUs slows this thread by itself (shared caches, memory, or one
+    physical core behind two virtual CPUs), which no change to the learner can take away."""
     import subprocess
     import sys
 
@@ -118,14 +129,42 @@ def neighbour_slowdown(step: Callable[[], object], steps: int, cpus: set[int]) -
             step()
         return (time.perf_counter() - start) / steps
 
-    idle = timed()
-    busy = [subprocess.Popen([sys.executable, "-c", _BUSY, str(c)]) for c in sorted(cpus)]
+    for _ in range(3):  # warm-up, untimed
+        step()
+    idle_before = timed()
+    busy: list[subprocess.Popen[bytes]] = []
     try:
-        time.sleep(0.5)  # the loops are running
+        for c in sorted(cpus):
+            busy.append(subprocess.Popen([sys.executable, "-c", _BUSY, str(c)], stdout=subprocess.PIPE))
+        for proc in busy:  # each loop has moved to its CPU and runs
+            assert proc.stdout is not None
+            if proc.stdout.read(1) != b"r":
+                raise RuntimeError(f"the busy loop for the neighbour check (pid {proc.pid}) did not start")
         loaded = timed()
     finally:
         stop_processes(busy, grace_s=5.0)
-    return {"steps": steps, "idle_step_ms": 1e3 * idle, "busy_step_ms": 1e3 * loaded, "slowdown": loaded / idle - 1}
+        for proc in busy:
+            if proc.stdout is not None:
+                proc.stdout.close()
+    idle_after = timed()
+    idle = (idle_before + idle_after) / 2
+    return {"steps": steps, "idle_step_ms": 1e3 * idle, "busy_step_ms": 1e3 * loaded, "slowdown": loaded / idle - 1,
+            "idle_step_ms_before_after": [1e3 * idle_before, 1e3 * idle_after], "pids": [p.pid for p in busy]}
+
+
+@contextlib.contextmanager
+def _started_on(cpus: set[int] | None) -> Iterator[None]:
+    """Run this thread on ``cpus`` meanwhile (None: leave it), so that the threads and processes it
+    starts inherit them, then put it back where it was."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -166,6 +205,12 @@ class Phase:
                 "synchronizer_cpu_ms_per_step": 1e3 * self.sync_cpu_s / self.steps}
 
 
+def _torch_threads(args: argparse.Namespace) -> int:
+    """Torch threads for training: ``--threads``, else the CPUs this process may use (with
+    ``--pin``, all but one)."""
+    return args.threads or max(1, available_cpus() - 1 if args.pin else available_cpus())
+
+
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any, Any, dict[str, Any]]:
     """Validated (ModelConfig, the model, TrainConfig, protocol section) or a usage error (exit 2),
     before anything is started."""
@@ -179,9 +224,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[A
         if not (hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")):
             parser.error("--pin needs Linux (per-thread CPU affinity)")
         cpus = len(os.sched_getaffinity(0))
-        if cpus < 2 or args.threads >= cpus:
+        if cpus < 2 or _torch_threads(args) >= cpus:
             parser.error(f"--pin needs a CPU left over for communication and the synchronizer: this process "
-                         f"may use {cpus} CPU(s), --threads is {args.threads or cpus}")
+                         f"may use {cpus} CPU(s), --threads is {_torch_threads(args)}")
     protocol = {k: v for k, v in (("num_fragments", args.fragments), ("sync_every", args.sync_every),
                                   ("overlap", args.overlap), ("mode", args.mode)) if v is not None}
     try:
@@ -227,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-results/learner.json", help="JSON results file")
     args = parser.parse_args(argv)
     model_cfg, model, train_cfg, protocol = _check(args, parser)
-    threads = args.threads or (len(os.sched_getaffinity(0)) - 1 if args.pin else available_cpus())
+    threads = _torch_threads(args)
     torch.set_num_threads(threads)
     exit_on_sigterm()  # SIGTERM unwinds, so the processes this one started are stopped
     if args.workdir:
@@ -263,10 +308,13 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
     cluster = LocalCluster(work, cfg_path, learners=1, steps=train_cfg.steps)
     quiet = args.json
     pinning: dict[str, Any] | None = None
+    training_tids: set[int] = set()
+    other_cpus: set[int] | None = None
     if args.pin:
-        inner_step()  # untimed: torch's own threads exist from here on, and stay with training
         cpus = sorted(os.sched_getaffinity(0))
         training_cpus, other_cpus = set(cpus[:threads]), set(cpus[threads:])
+        torch.ones(1 << 22).mul_(2).sum()  # torch's parallel team exists from here on, and stays with training
+        inner_step()  # untimed
         training_tids = _threads_of(os.getpid())
         _pin(training_tids, training_cpus)
         pinning = {"training_cpus": sorted(training_cpus), "other_cpus": sorted(other_cpus),
@@ -277,10 +325,9 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
             print(f"neighbour check: {nb['idle_step_ms']:.1f} ms/step with CPUs {sorted(other_cpus)} idle, "
                   f"{nb['busy_step_ms']:.1f} ms with a busy loop on them ({nb['slowdown'] * 100:+.1f}%)", flush=True)
     try:
-        cluster.start_synchronizer()
+        with _started_on(other_cpus):  # the synchronizer and all its threads inherit them
+            cluster.start_synchronizer()
         sync_pid = cluster.procs["synchronizer"].pid
-        if pinning is not None:  # threads it starts later inherit this from the thread starting them
-            _pin(_threads_of(sync_pid), other_cpus)
         if not quiet:
             print(f"learner: built-in GPT d_model {model_cfg.d_model} n_layer {model_cfg.n_layer} context "
                   f"{model_cfg.context} batch {args.batch_size} ({num_params(model) / 1e6:.2f}M params), "
@@ -302,10 +349,10 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                                  model_ref=json.dumps({"bench": "learner", "model": model_fingerprint(model, model_cfg)}),
                                  **({"codec": args.codec} if args.codec else {}))
             with _comm_timing(sync, comm_times):
-                if sync.join(resume=False) is None:
+                with _started_on(other_cpus):  # the communication thread starts here, and all it starts inherits them
+                    joined = sync.join(resume=False)
+                if joined is None:
                     raise SyncError("told to drain before joining")
-                if pinning is not None:  # the communication thread and what it started
-                    _pin(_threads_of(os.getpid()) - training_tids, other_cpus)
                 try:
                     for _ in range(args.warmup):
                         sync.step(tokens=tokens, loss=inner_step())

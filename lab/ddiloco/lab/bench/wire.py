@@ -279,7 +279,7 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
         seconds = asyncio.run(_grpc_round_trips(port, make_chunks, finish, max_chunk_bytes, extra, repeat))
         wire_payload = bytes(codec.encode(values))
         plain = {n: asyncio.run(_bytes_round_trips(port, wire_payload, max_chunk_bytes, extra, repeat, n))
-                 for n in streams}
+                 for n in streams}  # in the order given: the caller rotates it between rounds
     finally:
         stop.set()
         child.join(timeout=30)
@@ -335,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         tcp_rounds.append(tcp_round_trips(values.numpy().tobytes(), args.repeat))
         for case in cases:
             variant, chunk, codec_name = case
+            turn = round_index % len(streams)  # each stream count takes each place in the order in turn
             measured[case].append(grpc_case(values, layout, codec_name, chunk, VARIANTS[variant], args.repeat,
-                                            args.threads, streams))
+                                            args.threads, streams[turn:] + streams[:turn]))
             if not args.json:
                 seconds, _, plain_by_n = measured[case][-1]
                 more = "".join(f", {n} streams {plain_by_n[n] * 1e3:.1f} ms" for n in streams if n > 1)
@@ -363,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             "wire_gbs": 2 * wire_bytes / seconds / 1e9, "ratio": tcp / seconds,
             "grpc_bytes_seconds": plain, "vs_grpc_bytes": plain / seconds,
             "seconds_rounds": [r[0] for r in runs], "grpc_bytes_seconds_rounds": [r[2][1] for r in runs],
-            "grpc_bytes_streams_seconds": {str(n): t for n, t in plain_streams.items()}}
+            "grpc_bytes_streams_seconds": {str(n): t for n, t in plain_streams.items()},
+            "grpc_bytes_streams_seconds_rounds": {str(n): [r[2][n] for r in runs] for n in streams}}
         rows.append(row)
         if not args.json:
             print(f"{variant:>9} {chunk / MIB:>9.2f} {codec_name:>9} {wire_bytes / MIB:>9.1f} "
