@@ -26,8 +26,8 @@ communication start (its event loop, gRPC's threads, codec workers) on the rest,
 reported. What remains of the overhead is then ``step()`` itself and the training thread's
 waits for the Python interpreter lock, which the communication thread shares, and whatever the
 machine's CPUs take from each other: before the repeats, ``--pin`` times inner steps with the
-other CPUs idle and then with a busy loop on each of them, and reports that slowdown
-(``pinning.neighbour``), a floor under the overhead that no change to the learner removes.
+other CPUs idle, busy (a Python loop on each), and idle again, and reports the slowdown
+(``pinning.neighbour``), which no change to the learner would remove.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ while os.getppid() == parent:  # ends by itself if the benchmark is gone
 
 def neighbour_slowdown(step: Callable[[], object], steps: int, cpus: set[int]) -> dict[str, Any]:
     """Inner-step time with ``cpus`` idle, with a busy Python loop on each of them, and idle again:
-    how much work on the other CPUs slows this thread by itself (shared caches, memory, or one
-    physical core behind two virtual CPUs), which no change to the learner can take away."""
+    how much work on the other CPUs slows this thread by itself (shared caches and memory, or two
+    virtual CPUs on one physical core), which no change to the learner would take away."""
     import subprocess
     import sys
 
