@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -62,8 +63,6 @@ def test_pinned_run_keeps_training_and_communication_apart(tmp_path):
     """--pin: the training thread on the first CPU, the synchronizer's and the communication's
     threads on the others, as read back from the kernel; the other CPUs' effect on a step measured
     (and the busy loops stopped); an overhead per repeat pair reported."""
-    import os
-
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("--pin needs 2 CPUs; this process may use 1")
     out = tmp_path / "learner.json"
@@ -91,8 +90,6 @@ def test_pinned_run_keeps_training_and_communication_apart(tmp_path):
 
 
 def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys):
-    import os
-
     work, out = tmp_path / "work", tmp_path / "learner.json"
     cpus = len(os.sched_getaffinity(0))
     with pytest.raises(SystemExit) as exit_info:
@@ -104,8 +101,6 @@ def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys):
 
 def _busy_children() -> list[int]:
     """Live child processes of this one running the neighbour check's busy loop."""
-    import os
-
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -115,15 +110,13 @@ def _busy_children() -> list[int]:
             cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and b"getppid" in cmdline and stat.rsplit(")", 1)[1].split()[0] != "Z":
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and b"getppid" in cmdline and state != "Z":
             found.append(int(entry))
     return found
 
 
 def test_neighbour_check_stops_its_busy_loops_when_a_step_fails():
-    import os
-
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("the neighbour check needs 2 CPUs; this process may use 1")
