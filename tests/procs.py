@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -49,3 +50,29 @@ def synchronizer(tmp_path: pathlib.Path, *args: str, timeout_s: float = 60.0,
                 proc.wait()
         if log:
             out.close()  # type: ignore[union-attr]
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def gone(pid: int, within_s: float) -> bool:
+    """Whether ``pid`` has exited (and been reaped) within ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

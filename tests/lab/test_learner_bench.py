@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ddiloco.core.resources import available_cpus
+from ddiloco.core.resources import available_cpus, with_huge_pages
 from ddiloco.lab.bench import learner as learner_bench
 
 
@@ -44,6 +44,9 @@ def test_tiny_run_reports_overhead_and_phases(tmp_path):
     assert phases["gather"] > 0 and phases["encode"] > 0
     assert [(r["sync"], r["steps"]) for r in printed["results"]] == [("off", 16), ("on", 16)]
     assert (work / "logs" / "synchronizer.log").exists()  # the synchronizer ran, and was stopped
+    # measured as the services run: with huge pages (re-run in a child where this environment lacks them)
+    assert printed["huge_pages"] == "on"
+    assert printed["glibc_tunables"] == with_huge_pages(os.environ)["GLIBC_TUNABLES"]
 
 
 def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):

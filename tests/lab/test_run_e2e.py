@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from ddiloco.lab.event_logs import load_jsonl
+from tests.procs import children_of, gone
 
 TINY = """
 protocol: {num_fragments: 4, sync_every: 8, overlap: 2}
@@ -242,31 +243,6 @@ def test_late_learner_fetches_state_and_contributes(tmp_path):
                 p.wait()
 
 
-def _children(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid`` (Linux /proc)."""
-    found = []
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _gone(pid: int, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
 def test_sigterm_stops_the_run_and_every_process_it_started(tmp_path):
     cfg, out = tmp_path / "cfg.yaml", tmp_path / "run"
     cfg.write_text(TINY)
@@ -287,17 +263,17 @@ def test_sigterm_stops_the_run_and_every_process_it_started(tmp_path):
             assert run.poll() is None, err.read_text()[-3000:]
             assert time.monotonic() < deadline, "the learners never trained"
             time.sleep(0.2)
-        children = _children(run.pid)
+        children = children_of(run.pid)
         assert len(children) >= 3  # the synchronizer and two learners
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=60) == 128 + signal.SIGTERM
-        left = [pid for pid in children if not _gone(pid, within_s=5)]
+        left = [pid for pid in children if not gone(pid, within_s=5)]
         assert not left, f"processes left running after SIGTERM: {left}"
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
         for pid in children:
-            if not _gone(pid, within_s=0):
+            if not gone(pid, within_s=0):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

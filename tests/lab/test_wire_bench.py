@@ -5,13 +5,27 @@ the same server); bad options are refused."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+
+from ddiloco.core.resources import THP_TUNABLE
+from tests.procs import children_of, gone
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+def _env(tunables: str | None = None) -> dict[str, str]:
+    """This environment without GLIBC_TUNABLES (or with ``tunables``)."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if tunables is not None:
+        env["GLIBC_TUNABLES"] = tunables
+    return env
+
+
+def _bench(*args: str, tunables: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "wire", *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=_env(tunables))
 
 
 def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
@@ -44,16 +58,66 @@ def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
     assert all(len(r["grpc_bytes_streams_seconds_rounds"]["2"]) == 2 for r in rows)
     assert set(printed["grpc_bytes_ratio_streams"]) == {"1", "2"}
     assert printed["grpc_bytes_ratio_streams"]["1"] == printed["grpc_bytes_ratio"]
+    # started without the services' environment, it measured in a child that has it
+    assert printed["huge_pages"] == "on" and printed["glibc_tunables"] == THP_TUNABLE
+    assert printed["transparent_hugepage"] in {"always", "madvise", "never", ""}
+
+
+def test_huge_pages_off_measures_in_the_environment_as_it_is(tmp_path):
+    out = tmp_path / "wire.json"
+    proc = _bench("--quick", "--json", "--huge-pages", "off", "--out", str(out), tunables="glibc.malloc.arena_max=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(out.read_text())
+    assert printed["huge_pages"] == "off" and printed["glibc_tunables"] == "glibc.malloc.arena_max=2"
+    assert printed["ratio"] > 0
+
+
+def test_rerun_as_deployed_passes_the_child_exit_code_and_respects_a_chosen_setting(monkeypatch, capfd):
+    from ddiloco.lab.bench import rerun_as_deployed
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert rerun_as_deployed("no-such-benchmark", []) == 2  # the child's refusal, passed on
+    assert "usage: ddiloco bench" in capfd.readouterr().out
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")  # the operator's choice: run here, as is
+    assert rerun_as_deployed("no-such-benchmark", []) is None
 
 
 def test_bad_options_are_refused(capsys):
     from ddiloco.lab.bench.wire import main
 
     for args in (["--variant", "turbo"], ["--chunk-mib", "abc"], ["--chunk-mib", "0"], ["--repeat", "0"], ["--rounds", "0"],
-                 ["--streams", "two"], ["--streams", "0"], ["--streams", "65"]):
+                 ["--streams", "two"], ["--streams", "0"], ["--streams", "65"], ["--huge-pages", "maybe"]):
         try:
             code = main(args)
         except SystemExit as exc:  # argparse's own refusals
             code = exc.code
         err = capsys.readouterr().err
         assert code == 2 and "ddiloco bench wire" in err, (args, err)
+
+
+def test_sigterm_stops_the_rerun_child_and_its_echo_servers(tmp_path):
+    """SIGTERM to a benchmark that re-ran itself with huge pages reaches the child, which stops the
+    echo servers it started: nothing is left behind."""
+    bench = subprocess.Popen([sys.executable, "-m", "ddiloco.core.cli", "bench", "wire", "--mib", "16",
+                              "--chunk-mib", "1", "--repeat", "1000", "--out", str(tmp_path / "wire.json")],
+                             env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    family: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and bench.poll() is None:
+            children = children_of(bench.pid)
+            family = children + [pid for child in children for pid in children_of(child)]
+            if len(family) >= 2:  # the child, and the first server it started
+                break
+            time.sleep(0.2)
+        assert len(family) >= 2, f"the benchmark did not re-run itself and start a server: {family}"
+        time.sleep(1.0)  # under way
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 143
+        left = [pid for pid in family if not gone(pid, within_s=30)]
+        assert not left, f"left running after SIGTERM: {left}"
+    finally:
+        for pid in [bench.pid, *family]:
+            if not gone(pid, within_s=0):
+                os.kill(pid, signal.SIGKILL)
+        bench.wait()

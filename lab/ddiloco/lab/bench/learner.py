@@ -28,6 +28,10 @@ waits for the Python interpreter lock, which the communication thread shares, an
 machine's CPUs take from each other: before the repeats, ``--pin`` times inner steps with the
 other CPUs idle, busy (a Python loop on each), and idle again, and reports the slowdown
 (``pinning.neighbour``), which no change to the learner would remove.
+
+The learner runs with the environment a learner service runs with (glibc's transparent-huge-page
+tunable): where this process was started without it, the benchmark runs again in a child that has
+it (``--huge-pages off``: the environment as it is).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -48,7 +53,7 @@ import torch
 import yaml
 
 from ddiloco.core.resources import available_cpus
-from ddiloco.lab.bench import save_result
+from ddiloco.lab.bench import add_huge_pages_option, memory_environment, rerun_as_deployed, save_result
 from ddiloco.lab.procs import exit_on_sigterm, stop_processes
 
 GOAL = 0.02
@@ -270,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
                         "temporary one, removed at the end)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default="bench-results/learner.json", help="JSON results file")
+    add_huge_pages_option(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     model_cfg, model, train_cfg, protocol = _check(args, parser)
+    if args.huge_pages == "on" and (code := rerun_as_deployed("learner", argv)) is not None:
+        return code
     threads = _torch_threads(args)
     torch.set_num_threads(threads)
     exit_on_sigterm()  # SIGTERM unwinds, so the processes this one started are stopped
@@ -417,6 +426,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                            for off_p, on_p in zip(phases[0::2], phases[1::2], strict=True)],
         "pair_overheads_mean": "1 - on steps/s / off steps/s of each repeat's adjacent off and on phases "
                                "(slow drifts of the machine cancel within a pair)",
+        "huge_pages": args.huge_pages, **memory_environment(),
         "pinning": pinning and {**pinning, "observed": {k: sorted(v) for k, v in pinning["observed"].items()}},
         "results": [p.row() for p in phases],
     }
