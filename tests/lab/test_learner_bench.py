@@ -136,3 +136,31 @@ def test_neighbour_check_stops_its_busy_loops_when_a_step_fails():
     assert _busy_children() == []
     result = learner_bench.neighbour_slowdown(lambda: None, 2, set(cpus[1:]))
     assert result["steps"] == 2 and len(result["pids"]) == len(cpus) - 1 and _busy_children() == []
+
+
+def test_neighbour_check_refuses_a_busy_loop_that_cannot_start_and_leaves_none(capfd):
+    """A busy loop that cannot move to its CPU (one this machine lacks) is reported as such, and the
+    loops already started are stopped."""
+    cpus = sorted(os.sched_getaffinity(0))
+    with pytest.raises(learner_bench.NeighbourCheckError, match="did not start on its CPU"):
+        learner_bench.neighbour_slowdown(lambda: None, 1, {cpus[0], 1 << 20})
+    assert _busy_children() == []
+    assert "Invalid argument" in capfd.readouterr().err  # the loop's own error, shown to the user
+
+
+def test_a_failed_neighbour_check_ends_the_benchmark_with_a_message(tmp_path):
+    """Through main, in a process of its own (--pin moves that process's threads): the busy loop's
+    script exits at once, the benchmark says so in one line and exits 1, having started nothing."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--pin needs 2 CPUs; this process may use 1")
+    work, out = tmp_path / "work", tmp_path / "learner.json"
+    script = ("import sys; from ddiloco.lab.bench import learner as b; b._BUSY = 'raise SystemExit(3)'; "
+              "sys.exit(b.main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", script, "--pin", "--threads", "1", "--huge-pages", "off",
+                           "--d-model", "32", "--n-layer", "2", "--context", "32", "--batch-size", "4",
+                           "--steps", "4", "--warmup", "1", "--repeats", "1", "--workdir", str(work),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("ddiloco bench learner: the neighbour check's busy loop")
+    assert "Traceback" not in proc.stderr and not out.exists()
+    assert not (work / "logs" / "synchronizer.log").exists()  # no synchronizer was started

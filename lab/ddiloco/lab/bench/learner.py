@@ -121,6 +121,10 @@ while os.getppid() == parent:  # ends by itself if the benchmark is gone
 """
 
 
+class NeighbourCheckError(RuntimeError):
+    """The neighbour check could not put a busy loop on one of the other CPUs."""
+
+
 def neighbour_slowdown(step: Callable[[], object], steps: int, cpus: set[int]) -> dict[str, Any]:
     """Inner-step time with ``cpus`` idle, with a busy Python loop on each of them, and idle again:
     how much work on the other CPUs slows this thread by itself (shared caches and memory, or two
@@ -144,7 +148,8 @@ def neighbour_slowdown(step: Callable[[], object], steps: int, cpus: set[int]) -
         for proc in busy:  # each loop has moved to its CPU and runs
             assert proc.stdout is not None
             if proc.stdout.read(1) != b"r":
-                raise RuntimeError(f"the busy loop for the neighbour check (pid {proc.pid}) did not start")
+                raise NeighbourCheckError(f"the neighbour check's busy loop (pid {proc.pid}) did not start on its CPU "
+                                          f"(its error, if any, is above)")
         loaded = timed()
     finally:
         stop_processes(busy, grace_s=5.0)
@@ -284,11 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     threads = _torch_threads(args)
     torch.set_num_threads(threads)
     exit_on_sigterm()  # SIGTERM unwinds, so the processes this one started are stopped
-    if args.workdir:
-        pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        return _run(args, model_cfg, model, train_cfg, protocol, threads, pathlib.Path(args.workdir))
-    with tempfile.TemporaryDirectory(prefix="ddiloco-bench-learner-") as tmp:
-        return _run(args, model_cfg, model, train_cfg, protocol, threads, pathlib.Path(tmp))
+    try:
+        if args.workdir:
+            pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
+            return _run(args, model_cfg, model, train_cfg, protocol, threads, pathlib.Path(args.workdir))
+        with tempfile.TemporaryDirectory(prefix="ddiloco-bench-learner-") as tmp:
+            return _run(args, model_cfg, model, train_cfg, protocol, threads, pathlib.Path(tmp))
+    except NeighbourCheckError as exc:
+        print(f"ddiloco bench learner: {exc}; nothing was measured", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, protocol: dict[str, Any],
