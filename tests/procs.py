@@ -1,4 +1,5 @@
-"""Real service processes for tests: a synchronizer on 127.0.0.1:0, stopped by its pid."""
+"""Real service processes for tests: a synchronizer on 127.0.0.1:0, stopped by its pid; the live
+children of a process, and whether one has gone."""
 
 from __future__ import annotations
 

@@ -47,9 +47,11 @@ def test_tiny_run_reports_overhead_and_phases(tmp_path):
     # measured as the services run: with huge pages (re-run in a child where this environment lacks them)
     assert printed["huge_pages"] == "on"
     assert printed["glibc_tunables"] == with_huge_pages(os.environ)["GLIBC_TUNABLES"]
+    assert printed["huge_pages_in_effect"] == (printed["transparent_hugepage"] in {"always", "madvise"})
 
 
-def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):
+def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)  # refused here, before any re-run child
     work, out = tmp_path / "work", tmp_path / "learner.json"
     for args in (["--steps", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--d-model", "30", "--n-head", "4"],
                  ["--overlap", "30", "--sync-every", "4"], ["--fragments", "500"]):
@@ -92,7 +94,8 @@ def test_pinned_run_keeps_training_and_communication_apart(tmp_path):
     assert printed["pair_overheads"] == [1 - rows[i + 1]["steps_per_s"] / rows[i]["steps_per_s"] for i in (0, 2)]
 
 
-def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys):
+def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)  # refused here, before any re-run child
     work, out = tmp_path / "work", tmp_path / "learner.json"
     cpus = len(os.sched_getaffinity(0))
     with pytest.raises(SystemExit) as exit_info:

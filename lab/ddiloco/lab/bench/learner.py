@@ -53,7 +53,13 @@ import torch
 import yaml
 
 from ddiloco.core.resources import available_cpus
-from ddiloco.lab.bench import add_huge_pages_option, memory_environment, rerun_as_deployed, save_result
+from ddiloco.lab.bench import (
+    add_huge_pages_option,
+    memory_environment,
+    needs_rerun,
+    rerun_as_deployed,
+    save_result,
+)
 from ddiloco.lab.procs import exit_on_sigterm, stop_processes
 
 GOAL = 0.02
@@ -284,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     model_cfg, model, train_cfg, protocol = _check(args, parser)
-    if args.huge_pages == "on" and (code := rerun_as_deployed("learner", argv)) is not None:
-        return code
+    if args.huge_pages == "on" and needs_rerun():
+        del model  # the child builds its own
+        return int(rerun_as_deployed("learner", argv) or 0)
     threads = _torch_threads(args)
     torch.set_num_threads(threads)
     exit_on_sigterm()  # SIGTERM unwinds, so the processes this one started are stopped
