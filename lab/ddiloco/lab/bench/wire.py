@@ -26,8 +26,9 @@ carried by grpc.aio can reach on the machine.
 
 Every process runs with the environment the services run with (glibc's transparent-huge-page
 tunable, ``ddiloco.core.resources.with_huge_pages``): where this process was started without it,
-the benchmark runs again in a child that has it. Fresh fragment-sized buffers cost about half as
-much that way, and the round trip with them; ``--huge-pages off`` measures the environment as it is.
+the benchmark runs again in a child that has it. With huge pages, each fresh fragment-sized buffer
+costs fewer page faults, and the fp32 round trip took about half as long in the runs in
+docs/benchmarks.md; ``--huge-pages off`` measures the environment as it is.
 """
 
 from __future__ import annotations
