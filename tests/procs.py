@@ -54,16 +54,24 @@ def synchronizer(tmp_path: pathlib.Path, *args: str, timeout_s: float = 60.0,
 
 
 def children_of(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid`` (Linux /proc)."""
+    """Live processes whose parent is ``pid`` (Linux /proc; zombies left out)."""
     found = []
     for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(ppid) == pid and state != "Z":
             found.append(int(stat.parent.name))
     return found
+
+
+def cmdline(pid: int) -> bytes:
+    """The command line of ``pid`` as /proc holds it (b"" once it is gone)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def gone(pid: int, within_s: float) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 
 from ddiloco.core.resources import available_cpus, with_huge_pages
 from ddiloco.lab.bench import learner as learner_bench
+from tests.procs import children_of, cmdline
 
 
 def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -107,19 +107,7 @@ def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys, monkeypatch):
 
 def _busy_children() -> list[int]:
     """Live child processes of this one running the neighbour check's busy loop."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == os.getpid() and b"getppid" in cmdline and state != "Z":
-            found.append(int(entry))
-    return found
+    return [pid for pid in children_of(os.getpid()) if b"getppid" in cmdline(pid)]
 
 
 def test_neighbour_check_stops_its_busy_loops_when_a_step_fails():

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ddiloco.core.resources import THP_TUNABLE
-from tests.procs import children_of, gone
+from tests.procs import children_of, cmdline, gone
 
 
 def _env(tunables: str | None = None) -> dict[str, str]:
@@ -104,14 +104,6 @@ def test_bad_options_are_refused(capsys, monkeypatch):
         assert code == 2 and "ddiloco bench wire" in err, (args, err)
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 def test_sigterm_stops_the_rerun_child_and_its_echo_servers(tmp_path):
     """SIGTERM to a benchmark that re-ran itself with huge pages reaches the child, which stops the
     echo server it started at once (it would otherwise wait for a connection): nothing is left."""
@@ -126,8 +118,8 @@ def test_sigterm_stops_the_rerun_child_and_its_echo_servers(tmp_path):
             time.sleep(0.2)
             children = children_of(bench.pid)
             family = children + [pid for child in children for pid in children_of(child)]
-            servers = [pid for pid in family if b"multiprocessing" in _cmdline(pid)
-                       and b"resource_tracker" not in _cmdline(pid)]
+            servers = [pid for pid in family if b"multiprocessing" in cmdline(pid)
+                       and b"resource_tracker" not in cmdline(pid)]
         assert servers, f"the benchmark did not re-run itself and start an echo server: {family}"
         time.sleep(1.0)  # under way
         children = children_of(bench.pid)
