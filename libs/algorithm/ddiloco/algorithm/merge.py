@@ -64,6 +64,18 @@ def embedding_mask(fragment: Fragment, patterns: Sequence[str] = DEFAULT_EMBEDDI
     return [any(fnmatch.fnmatchcase(t.name.lower(), p) for p in lowered) for t in fragment.tensors]
 
 
+def reanchor(delta: torch.Tensor, current: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Move a contribution computed against an older global version ``base`` to the current one,
+    in place: ``Delta + Theta_now - Theta_base`` (paper App. D.2 anchors at the synchronizer's
+    current copy). ``base - theta`` becomes ``Theta_now - theta``: the contribution pulls the
+    global toward where that learner's model actually is, so progress that a merge since ``base``
+    already counted is not applied twice. Returns ``delta``."""
+    if not delta.shape == current.shape == base.shape:
+        raise ValueError(f"shape mismatch: delta {tuple(delta.shape)}, current {tuple(current.shape)}, "
+                         f"base {tuple(base.shape)}")
+    return delta.add_(current).sub_(base)
+
+
 def merge_deltas(
     deltas: torch.Tensor,
     weights: Sequence[float] | torch.Tensor,

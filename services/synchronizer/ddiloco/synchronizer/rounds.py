@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.algorithm.merge import embedding_mask, merge_deltas
+from ddiloco.algorithm.merge import embedding_mask, merge_deltas, reanchor
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
 from ddiloco.algorithm.policies import Decision, Timings, token_weights
 from ddiloco.algorithm.round import (
@@ -254,7 +254,7 @@ class FragmentRound:
                             frag.history.pop(b, None)
                             raise StateError(f"fragment {self.index}: retained version {b} no longer verifies")
                         bases[b] = base
-                    deltas[row].add_(current).sub_(bases[b])
+                    reanchor(deltas[row], current, bases[b])
         merged = merge_deltas(deltas, weights, self._segments, self._embedding, settings.method)
         if scale != 1.0:
             merged = merged * scale
