@@ -10,7 +10,6 @@ BENCHMARKS = {
     "learner": "ddiloco.lab.bench.learner",
     "memory": "ddiloco.lab.bench.memory",
     "merge": "ddiloco.lab.bench.merge",
-    "quality": "ddiloco.lab.bench.quality",
     "scale": "ddiloco.lab.bench.scale",
     "torchft": "ddiloco.lab.bench.torchft",
     "wire": "ddiloco.lab.bench.wire",

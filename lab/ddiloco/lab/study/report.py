@@ -1,0 +1,231 @@
+"""``ddiloco study report``: the saved results as tables and plots.
+
+Every result is set against the data-parallel reference of the same budget (learners, steps,
+batch, model, seed): the untuned one (the inner learning rate every mode uses by default) and
+the tuned one (the best inner learning rate among the saved ``dp`` cases of that budget). The
+report prints markdown tables, writes them to ``<out>/report.md`` with the plots beside them:
+
+- ``frontier.png``: eval-loss gap to tuned dp against bytes per token (log scale), one point a
+  case at the default budget, so settings that buy quality with bytes stand apart from free ones;
+- ``trends.png``: the default decoupled run's gap against tokens, model size and learners;
+- ``curves.png``: eval loss against tokens of tuned dp and of the decoupled cases of the default
+  budget's best and default settings.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import shutil
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from ddiloco.lab.study.case import DEFAULTS, Case
+from ddiloco.lab.study.store import Results
+
+BUDGET = ("learners", "steps", "batch_size", "model", "seed", "eval_batches")
+"""What makes two results comparable: the same tokens, model and seed, measured on the same batches."""
+PLOTS = ("frontier.png", "trends.png", "curves.png")
+
+
+def budget(result: dict[str, Any]) -> tuple:
+    return tuple(result[k] for k in BUDGET)
+
+
+def references(results: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """budget -> {"default": dp loss at the default inner lr (or None), "tuned": best dp loss,
+    "tuned_lr": its inner lr}."""
+    dp_default_lr = DEFAULTS["dp"].inner_lr
+    out: dict[tuple, dict[str, Any]] = {}
+    for r in results:
+        if r["mode"] != "dp" or not _dp_plain(r):
+            continue
+        ref = out.setdefault(budget(r), {"default": None, "tuned": math.inf, "tuned_lr": None, "lrs": {}})
+        ref["lrs"][r["inner_lr"]] = r["final_eval_loss"]
+        if r["inner_lr"] == dp_default_lr:
+            ref["default"] = r["final_eval_loss"]
+        if r["final_eval_loss"] < ref["tuned"]:
+            ref["tuned"], ref["tuned_lr"] = r["final_eval_loss"], r["inner_lr"]
+    return out
+
+
+def _dp_plain(r: dict[str, Any]) -> bool:
+    """A dp case that differs from dp's defaults at most in its budget and inner lr."""
+    base = DEFAULTS["dp"].settings()
+    return all(r.get(k) == v for k, v in base.items() if k not in (*BUDGET, "inner_lr", "mode", "curve_points"))
+
+
+def annotate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each non-dp result with ``vs_dp`` (untuned) and ``vs_tuned_dp`` added (None without a reference)."""
+    refs = references(results)
+    out = []
+    for r in results:
+        if r["mode"] == "dp":
+            continue
+        ref = refs.get(budget(r))
+        r = dict(r)
+        r["vs_dp"] = r["final_eval_loss"] / ref["default"] - 1 if ref and ref["default"] else None
+        r["vs_tuned_dp"] = r["final_eval_loss"] / ref["tuned"] - 1 if ref else None
+        out.append(r)
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def _changes(r: dict[str, Any]) -> str:
+    """The settings of a result that differ from its mode's defaults, budget and seed aside."""
+    keep = {k: r[k] for k in Case.__dataclass_fields__}
+    case = Case(**keep)
+    parts = [p for p in case.id.split("-")[1:]
+             if not p.startswith(("seed_", "steps_", "learners_", "model_", "eval_batches_", "curve_points_"))]
+    return ", ".join(parts) or "(defaults)"
+
+
+def tables(results: list[dict[str, Any]]) -> str:
+    refs = references(results)
+    lines = ["## Data-parallel reference (inner learning rate)", "",
+             "| learners | steps | model | seed | " + " | ".join(f"lr {lr:g}" for lr in _all_lrs(refs)) + " | tuned |",
+             "|---|---|---|---|" + "---|" * (len(_all_lrs(refs)) + 1)]
+    for key, ref in sorted(refs.items()):
+        m, steps, _, model, seed, _ = key
+        cells = [f"{ref['lrs'][lr]:.4f}" if lr in ref["lrs"] else "" for lr in _all_lrs(refs)]
+        lines.append(f"| {m} | {steps} | {model} | {seed} | " + " | ".join(cells) +
+                     f" | {ref['tuned']:.4f} (lr {ref['tuned_lr']:g}) |")
+    lines += ["", "## Every other case", "",
+              "| mode | settings | learners | steps | model | seed | eval loss | vs dp | vs tuned dp | B/token | "
+              "final from learners' mean |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(annotate(results), key=lambda r: (budget(r), r["mode"], r["final_eval_loss"])):
+        mean = r.get("learner_mean_eval_loss")
+        lines.append(f"| {r['mode']} | {_changes(r)} | {r['learners']} | {r['steps']} | {r['model']} | {r['seed']} | "
+                     f"{r['final_eval_loss']:.4f} | {_pct(r['vs_dp'])} | {_pct(r['vs_tuned_dp'])} | "
+                     f"{r['bytes_per_token']:.1f} | {'' if mean is None else f'{mean:.4f}'} |")
+    seeds = _seed_groups(annotate(results))
+    if seeds:
+        lines += ["", "## Over seeds", "", "| mode | settings | learners | steps | model | seeds | eval loss mean (min-max) "
+                  "| vs tuned dp mean (min-max) |", "|---|---|---|---|---|---|---|---|"]
+        for (mode, changes, m, steps, model), group in sorted(seeds.items()):
+            losses = [r["final_eval_loss"] for r in group]
+            gaps = [r["vs_tuned_dp"] for r in group if r["vs_tuned_dp"] is not None]
+            gap = f"{_pct(statistics.mean(gaps))} ({_pct(min(gaps))}..{_pct(max(gaps))})" if gaps else "-"
+            lines.append(f"| {mode} | {changes} | {m} | {steps} | {model} | {len(group)} | "
+                         f"{statistics.mean(losses):.4f} ({min(losses):.4f}-{max(losses):.4f}) | {gap} |")
+    return "\n".join(lines) + "\n"
+
+
+def _all_lrs(refs: dict[tuple, dict[str, Any]]) -> list[float]:
+    return sorted({lr for ref in refs.values() for lr in ref["lrs"]})
+
+
+def _seed_groups(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(r["mode"], _changes(r), r["learners"], r["steps"], r["model"])].append(r)
+    return {k: v for k, v in groups.items() if len({r["seed"] for r in v}) > 1}
+
+
+def report(out: str, docs: str | None = None) -> int:
+    folder = pathlib.Path(out)
+    results = Results(folder).all()
+    if not results:
+        print(f"no results in {folder}")
+        return 1
+    text = tables(results)
+    print(text)
+    (folder / "report.md").write_text(text)
+    plots = plot(results, folder)
+    if docs:
+        target = pathlib.Path(docs)
+        target.mkdir(parents=True, exist_ok=True)
+        for path in plots:
+            shutil.copy(path, target / f"quality_{path.name}")
+    print(f"report: {folder / 'report.md'}; plots: {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = annotate(results)
+    refs = references(results)
+    default_budget = budget(DEFAULTS["decoupled"].settings() | {"seed": 0})
+    written = []
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    frontier = [r for r in rows if budget(r) == default_budget and r["vs_tuned_dp"] is not None]
+    for r in frontier:
+        colour = {"bf16_zstd": "tab:blue", "int4_block": "tab:orange", "int2_block": "tab:green",
+                  "fp32": "tab:grey", "int8_block": "tab:purple"}[r["codec"]]
+        ax.scatter(r["bytes_per_token"], 100 * r["vs_tuned_dp"], color=colour, s=18)
+        ax.annotate(_changes(r), (r["bytes_per_token"], 100 * r["vs_tuned_dp"]), fontsize=6,
+                    xytext=(3, 2), textcoords="offset points")
+    ref = refs.get(default_budget)
+    dp_bytes = next((r["bytes_per_token"] for r in results if r["mode"] == "dp" and budget(r) == default_budget), None)
+    if ref and dp_bytes:
+        ax.scatter(dp_bytes, 0, color="black", marker="*", s=80, label="tuned dp (ring all-reduce, fp32)")
+    default = next((r for r in frontier if _changes(r) == "(defaults)" and r["mode"] == "decoupled"), None)
+    if default:
+        ax.axvline(default["bytes_per_token"], color="grey", lw=0.8, ls="--", label="today's default bytes/token")
+    ax.axhline(0, color="black", lw=0.6)
+    ax.axhline(3, color="tab:red", lw=0.6, ls=":", label="3% target")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per token trained (learners -> synchronizer and back)")
+    ax.set_ylabel("eval loss above tuned dp (%)")
+    ax.set_title("Quality against bandwidth (3 learners x 600 steps; blue bf16, orange int4, green int2)")
+    ax.legend(fontsize=7)
+    written.append(_save(fig, folder / "frontier.png"))
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key, label in zip(axes, ("steps", "model", "learners"), ("inner steps per learner", "model", "learners M"),
+                              strict=True):
+        for mode, colour in (("decoupled", "tab:blue"), ("diloco", "tab:orange")):
+            pts = sorted(((r[key], 100 * r["vs_tuned_dp"]) for r in rows if r["mode"] == mode
+                          and r["vs_tuned_dp"] is not None and _trend_point(r, key)), key=lambda p: str(p[0]).zfill(8))
+            if pts:
+                ax.plot([str(p[0]) for p in pts], [p[1] for p in pts], "o-", color=colour, label=mode)
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_xlabel(label)
+        ax.set_ylabel("eval loss above tuned dp (%)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle("The gap to data-parallel against budget, model size and fleet size (defaults otherwise)")
+    written.append(_save(fig, folder / "trends.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        if budget(r) != default_budget or not r.get("curve"):
+            continue
+        is_tuned_dp = r["mode"] == "dp" and ref is not None and r["inner_lr"] == ref["tuned_lr"]
+        is_default = r["mode"] in ("decoupled", "diloco") and Case(**{k: r[k] for k in Case.__dataclass_fields__}).id \
+            in ("decoupled", "diloco")
+        if is_tuned_dp or is_default:
+            xs, ys = zip(*r["curve"], strict=True)
+            ax.plot(xs, ys, label=("tuned dp" if is_tuned_dp else r["mode"]))
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("eval loss (8 batches; last point 32)")
+    ax.set_ylim(top=3.0)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    written.append(_save(fig, folder / "curves.png"))
+    return written
+
+
+def _trend_point(r: dict[str, Any], key: str) -> bool:
+    """Whether ``r`` is its mode's defaults except (at most) ``key``, seed 0."""
+    settings = {k: r[k] for k in Case.__dataclass_fields__}
+    base = DEFAULTS[r["mode"]].settings()
+    return r["seed"] == 0 and all(settings[k] == base[k] for k in settings if k not in (key, "mode"))
+
+
+def _save(fig: Any, path: pathlib.Path) -> pathlib.Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

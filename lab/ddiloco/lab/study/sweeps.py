@@ -1,0 +1,40 @@
+"""The quality study's sweeps: named lists of cases, each written as ``MODE[:key=value...]``.
+
+The study is staged: the fair baseline and the tuning first (``dp-lr``, ``tune``), then the
+ablations and the bandwidth frontier around the default, then the trends (tokens, model size,
+learners) at the settings the first stages chose. Every case runs at the default budget (3
+learners x 600 steps x 16 x 128 tokens) unless it says otherwise. ``docs/quality.md`` shows what
+each sweep found and the command behind each table.
+"""
+
+from __future__ import annotations
+
+DP_LRS = ("1.5e-3", "3e-3", "4.5e-3", "6e-3", "9e-3", "1.2e-2")
+
+SWEEPS: dict[str, tuple[str, ...]] = {
+    # the data-parallel reference's own learning rate, for its 3x larger batch
+    "dp-lr": tuple(f"dp:inner_lr={lr}" for lr in DP_LRS),
+    # the defaults of each mode, and what the local run's data sharding changes
+    "defaults": ("decoupled", "decoupled:shards=8", "diloco", "diloco:outer_momentum=0.9",
+                 "decoupled:outer_momentum=0.9"),
+    # decoupled's tuning, one setting at a time around the default (as many cases as dp-lr's
+    # and more: the baseline must not be the only side that was tuned)
+    "tune": (*(f"decoupled:inner_lr={lr}" for lr in ("2e-3", "4.5e-3", "6e-3", "9e-3")),
+             *(f"decoupled:outer_lr={lr}" for lr in ("0.5", "1.0", "1.3")),
+             *(f"decoupled:outer_momentum={mu}" for mu in ("0", "0.3", "0.7")),
+             "decoupled:outer_schedule=cosine", "decoupled:momentum_warmup=8", "decoupled:warmup_steps=60"),
+    # what each mechanism contributes, one at a time against the default
+    "ablations": ("decoupled:merge=mean", "decoupled:apply=overwrite", "decoupled:apply=mix",
+                  "decoupled:codec=fp32", "decoupled:global_codec=fp32", "decoupled:error_feedback=off",
+                  "decoupled:overlap=0", "decoupled:overlap=6", "decoupled:late=1",
+                  "decoupled:fragments=6", "decoupled:fragments=1:overlap=0"),
+    # quality against bytes: the sync period H against the contributions' codec
+    "frontier": tuple(f"decoupled:sync_every={h}:fragments={h}:overlap={min(2, h - 1)}:codec={codec}"
+                      for h in (6, 12, 24, 48) for codec in ("bf16_zstd", "int4_block", "int2_block")),
+}
+
+
+def expand(name: str) -> tuple[str, ...]:
+    if name not in SWEEPS:
+        raise ValueError(f"unknown sweep {name!r}; known: {', '.join(SWEEPS)}")
+    return SWEEPS[name]

@@ -1,0 +1,159 @@
+"""``ddiloco study``: the quality study's reference fleet, its results folder and its report, at a
+smoke size (a few steps of the default model)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddiloco.fragments.partition import partition_tensors
+from ddiloco.lab.study.case import Case, parse_case
+from ddiloco.lab.study.cli import main
+from ddiloco.lab.study.reference import MODELS, run_case
+from ddiloco.lab.study.store import Results, ResultsError
+from ddiloco.learner.model import ModelConfig, build_model
+
+SMALL = {"steps": 4, "eval_batches": 2, "curve_points": 1}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _sizes(case: Case) -> list[int]:
+    model = build_model(ModelConfig(context=128, **MODELS[case.model]), case.seed)
+    return [f.numel for f in partition_tensors(list(model.named_parameters()), case.fragments)]
+
+
+def test_cases_run_are_saved_and_a_rerun_skips_them(tmp_path, capsys) -> None:
+    small = ":eval_batches=2:curve_points=1"
+    cases = f"dp{small},decoupled:sync_every=2:fragments=2:overlap=1{small},diloco:sync_every=2{small}"
+    args = ["quality", "--cases", cases, "--steps", "4", "--threads", "1", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    tail = "-eval_batches_2-curve_points_1"
+    ids = [f"dp-steps_4{tail}", f"decoupled-steps_4-fragments_2-sync_every_2-overlap_1{tail}",
+           f"diloco-steps_4-sync_every_2{tail}"]
+    for case_id in ids:
+        assert f"{case_id}: eval" in out
+        saved = json.loads((tmp_path / f"{case_id}.json").read_text())
+        assert saved["id"] == case_id and math.isfinite(saved["final_eval_loss"])
+        assert saved["final_eval_loss"] < math.log(256) + 0.5
+        assert saved["curve"][0][0] == 0 and saved["curve"][-1][0] == saved["tokens"] == 3 * 4 * 16 * 128
+    before = {p.name: p.read_text() for p in tmp_path.glob("*.json")}
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert all(f"{case_id}: saved" in out for case_id in ids)
+    assert {p.name: p.read_text() for p in tmp_path.glob("*.json")} == before
+    assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob("*.tmp.*"))
+
+    assert main(["report", "--out", str(tmp_path), "--docs", str(tmp_path / "img")]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| 3 | 4 | default | 0 |" in report  # the dp row of this budget
+    decoupled = json.loads((tmp_path / f"{ids[1]}.json").read_text())
+    dp = json.loads((tmp_path / f"{ids[0]}.json").read_text())
+    assert f"{decoupled['final_eval_loss'] / dp['final_eval_loss'] - 1:+.1%}" in report
+    for name in ("frontier.png", "trends.png", "curves.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / "img" / f"quality_{name}").exists()
+
+
+def test_the_reference_is_deterministic_and_stragglers_change_it() -> None:
+    base = parse_case("decoupled:sync_every=2:fragments=2:overlap=1", **SMALL)
+    a, b = run_case(base), run_case(base)
+    assert a["final_eval_loss"] == b["final_eval_loss"] and a["stale_rows"] == b["stale_rows"]
+    point = run_case(parse_case("decoupled:sync_every=2:fragments=2:overlap=1:late=1", **SMALL))
+    delta = run_case(parse_case("decoupled:sync_every=2:fragments=2:overlap=1:late=1:anchor=delta", **SMALL))
+    assert point["stale_rows"] > a["stale_rows"]  # the late learner's rows join a round late
+    assert point["final_eval_loss"] != delta["final_eval_loss"] != a["final_eval_loss"]
+
+
+def test_bytes_are_counted_as_sent() -> None:
+    """fp32 both ways, P = H = 2, tau = 1, 4 steps, 2 learners: fragment 0 falls due at steps 2 and
+    4, fragment 1 at 1 and 3. Each learner sends each due fragment, then at the end what it trained
+    since its last send (fragment 1, sent at 3); every merge but the final ones is sent back to
+    both learners. dp sends what a ring all-reduce of fp32 gradients would: 2 (M-1) N * 4 a step."""
+    case = parse_case("decoupled:sync_every=2:fragments=2:overlap=1:codec=fp32:global_codec=fp32:learners=2", **SMALL)
+    r = run_case(case)
+    n0, n1 = _sizes(case)
+    assert r["bytes_up"] == 2 * 4 * (2 * n0 + 3 * n1)
+    assert r["bytes_down"] == 2 * 4 * (2 * n0 + 2 * n1)
+    assert r["merges"] == 4 + 1
+    dp = run_case(parse_case("dp:learners=2", **SMALL))
+    assert dp["bytes_per_token"] == 2 * (2 - 1) * dp["params"] * 4 / (2 * 16 * 128)
+
+
+def test_a_claimed_case_is_skipped_and_a_dead_workers_claim_is_taken_over(tmp_path) -> None:
+    results = Results(tmp_path)
+    case = parse_case("dp", **SMALL)
+    with results.claim(case) as mine:
+        assert mine
+        with results.claim(case) as again:  # a live worker (this process) holds it
+            assert not again
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f"{case.id}.lock").write_text(dead.stdout.strip())
+    with results.claim(case) as mine:
+        assert mine
+        assert (tmp_path / f"{case.id}.lock").read_text() == str(os.getpid())
+    assert not (tmp_path / f"{case.id}.lock").exists()
+
+
+def test_a_result_of_other_settings_is_refused_and_kept(tmp_path, capsys) -> None:
+    case = parse_case("dp", steps=4)
+    path = tmp_path / f"{case.id}.json"
+    path.write_text(json.dumps({**case.settings(), "inner_lr": 1.0, "final_eval_loss": 9.0}))
+    with pytest.raises(ResultsError, match="other settings"):
+        Results(tmp_path).get(case)
+    assert main(["quality", "--cases", "dp", "--steps", "4", "--out", str(tmp_path)]) == 1
+    assert "other settings" in capsys.readouterr().err
+    assert json.loads(path.read_text())["final_eval_loss"] == 9.0
+    path.write_text("{not json")
+    with pytest.raises(ResultsError, match="unreadable"):
+        Results(tmp_path).get(case)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cases", "teleport"], "unknown mode"),
+    (["--cases", "decoupled:speed=2"], "unknown case setting 'speed'"),
+    (["--cases", "decoupled:late=3"], "late must be"),
+    (["--cases", "decoupled:overlap=24"], "overlap must satisfy"),
+    (["--cases", "diloco:fragments=4"], "diloco mode has one fragment"),
+    (["--cases", "decoupled:codec=gzip"], "codec must be one of"),
+    (["--cases", "decoupled:error_feedback=maybe"], "error_feedback takes on/off"),
+    (["--sweep", "everything"], "unknown sweep"),
+    (["--cases", "dp", "--seeds", "one"], "--seeds takes"),
+    ([], "nothing to run"),
+])
+def test_bad_input_is_refused_and_runs_nothing(tmp_path, capsys, argv, message) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["quality", *argv, "--out", str(tmp_path / "out")])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sweeps_are_valid_cases() -> None:
+    from ddiloco.lab.study.sweeps import SWEEPS
+
+    for name, specs in SWEEPS.items():
+        cases = [parse_case(spec) for spec in specs]
+        assert len({c.id for c in cases}) == len(cases), f"sweep {name} repeats a case"
+
+
+def test_the_command(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "study", "quality", "--sweep", "frontier",
+                           "--list", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "decoupled-fragments_6-sync_every_6-codec_int2_block" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "study", "quality", "--cases", "dp:inner_lr=x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "inner_lr takes a float" in proc.stderr
