@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every step from 1 even when the fleet is already training")
     parser.add_argument("--event-log")
     parser.add_argument("--summary-file")
+    parser.add_argument("--min-step-s", type=float, default=0.0,
+                        help="make every step last at least this long (a known pace, for tests)")
     args = parser.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     loss_value = float("nan")
     for step in range(start + 1, args.steps + 1):
+        began = time.perf_counter()
         starts = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
         window = data[starts.unsqueeze(1) + torch.arange(context + 1)]
         x, y = window[:, :-1], window[:, 1:]
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         opt.step()
         loss_value = float(loss.detach())
+        time.sleep(max(0.0, began + args.min_step_s - time.perf_counter()))
         sync.step(tokens=batch * context, loss=loss_value)
         if step % 50 == 0:
             print(f"{args.learner_id} step {step} loss {loss_value:.3f} versions {min(sync.versions.values())}",

@@ -7,6 +7,7 @@ Measurements behind the defaults are in docs/design-notes.md.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import field
 from typing import Any, Literal
@@ -105,6 +106,11 @@ class LearnerConfig:
     speed: float = 1.0
     """For experiments with unequal hardware: run at this fraction of full speed (0.5: every inner
     step takes twice as long), by waiting after each step. 1: no waiting."""
+    min_step_s: float = 0.0
+    """For tests and experiments that need a known pace: every inner step takes at least this
+    long (the learner waits out the rest after the step), so a fleet property that depends on
+    how long a step is against a round trip holds on a machine of any speed. ``speed`` slows
+    the floored step further. 0: no floor."""
     codec: CodecName = "bf16_zstd"
     """Codec of contributions."""
     error_feedback: bool = True
@@ -149,6 +155,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.speed <= 1:
             raise ValueError(f"speed must be in (0, 1], got {self.speed}")
+        if not (math.isfinite(self.min_step_s) and 0 <= self.min_step_s <= 60):
+            raise ValueError(f"min_step_s must be in [0, 60] seconds, got {self.min_step_s}")
         if not 0 <= self.mix_alpha <= 1:
             raise ValueError(f"mix_alpha must be in [0, 1], got {self.mix_alpha}")
         if (self.heartbeat_s <= 0 or self.wait_timeout_s <= 0 or self.join_timeout_s <= 0

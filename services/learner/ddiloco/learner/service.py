@@ -6,7 +6,8 @@ synchronizer's requests, applying merged fragments, healing — lives in
 loop; this module adds what a stand-alone learner process needs around it: the corpus shard and
 its batches, the model from the config, the inner optimizer with its learning-rate schedule
 (continued from the fleet's progress for a learner that joins late), periodic and final
-evaluation, the ``speed`` knob of experiments and the NaN fault hook (SIGUSR1).
+evaluation, the ``speed`` and ``min_step_s`` knobs of experiments and tests, and the NaN fault hook
+(SIGUSR1).
 
 A learner heals itself: when its loss is non-finite, when an outer gradient it is about to send is
 non-finite, or when the synchronizer refused its contributions of a fragment for their content
@@ -108,8 +109,12 @@ class Learner:
             if self.poisoned.is_set():
                 self.poisoned.clear()
                 self._poison(step)
+            began = time.perf_counter()
             x, y = self.shard.sample_batch(self.generator, cfg.data.batch_size, cfg.data.context)
             loss, step_s = self.inner.step(x, y)
+            if cfg.min_step_s > 0:  # a known pace: the step lasts at least the floor
+                time.sleep(max(0.0, began + cfg.min_step_s - time.perf_counter()))
+                step_s = max(step_s, time.perf_counter() - began)
             if cfg.speed < 1.0:  # an experiment's slower hardware: the step takes 1/speed as long
                 time.sleep(step_s * (1.0 / cfg.speed - 1.0))
                 step_s /= cfg.speed
