@@ -13,7 +13,7 @@ PARTS := libs/core libs/fragments libs/protocol libs/algorithm libs/simulator se
          services/learner lab
 PYPROJECTS := pyproject.toml $(addsuffix /pyproject.toml,$(PARTS))
 
-.PHONY: install run test lint bench protos clean
+.PHONY: install run test test-fast lint bench protos clean
 
 $(STAMP): $(PYPROJECTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The edit-test loop: what runs in one process (no e2e or system tests; tests/conftest.py says which).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not e2e and not system" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,18 +1,88 @@
-"""Shared test fixtures. Tests drive real servers on 127.0.0.1:0 and real processes."""
+"""Shared test fixtures, the Hypothesis profile, and the test tiers.
+
+Tests drive real servers on 127.0.0.1:0 and real processes.
+
+Tiers (``make test-fast`` runs the first; ``make test``, what CI runs, runs all three):
+
+- fast (no marker): what runs in one process, plus quick calls of external checkers (helm,
+  lint-imports): algorithm, fragments, protocol, simulator, config, in-process services, the
+  chart and the chaos manifests.
+- ``e2e``: starts ddiloco processes (the services, ``ddiloco run``, benchmarks, examples).
+- ``system``: containers, images, packaging, fuzzing.
+
+A test's tier is decided here, by where it lives, not by marks in each file: ``E2E`` and
+``SYSTEM`` name folders, files, or single tests (``file::test``) of files that are mostly fast.
+"""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # Two cores here: keep torch from oversubscribing when tests start several processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("DDILOCO_LOG_JSON", "1")
 
+# Every property test draws the same examples on every run and every machine (a failure in CI
+# fails again on a rerun), keeps no example database, and has no time limits (a slow machine is
+# not a failure). Tests that set their own settings inherit these.
+settings.register_profile("ddiloco", derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ddiloco")
+
+SYSTEM = (
+    "tests/containers/",
+    "tests/fuzz/",
+    "tests/test_packaging.py",
+)
+E2E = (
+    "tests/lab/test_chaos.py",
+    "tests/lab/test_learner_bench.py",
+    "tests/lab/test_memory_bench.py",
+    "tests/lab/test_procs.py",
+    "tests/lab/test_run_e2e.py",
+    "tests/lab/test_scale_bench.py",
+    "tests/lab/test_study.py::test_the_command",
+    "tests/lab/test_torchft_bench.py::test_tiny_torchft_overhead_run_leaves_nothing_running",
+    "tests/lab/test_wire_bench.py",
+    "tests/learner/test_decoupled_sync.py",
+    "tests/learner/test_eval_cmd.py",
+    "tests/learner/test_join.py",
+    "tests/learner/test_model.py::test_build_is_identical_in_another_process",
+    "tests/learner/test_prepare_data.py::test_bad_inputs_exit_2_and_write_nothing",
+    "tests/learner/test_prepare_data.py::test_cli_",
+    "tests/learner/test_prepare_data.py::test_refusals_and_force_leave_the_folder_untouched",
+    "tests/learner/test_prepare_data.py::test_sigterm_mid_write_leaves_nothing",
+    "tests/learner/test_resume.py",
+    "tests/protocol/test_status_cli.py",
+    "tests/security/test_regressions.py::test_a_learner_reporting_a_tiny_step_time_does_not_stall_the_synchronizer",
+    "tests/synchronizer/test_durability.py",
+    "tests/synchronizer/test_export.py::test_a_refusal_through_the_installed_command",
+    "tests/synchronizer/test_export.py::test_cli_export_holds_the_committed_values_bit_for_bit_with_its_metadata",
+    "tests/synchronizer/test_secrets_hygiene.py",
+    "tests/test_cli_startup.py",
+    "tests/test_config.py::test_services_refuse_a_bad_file_with_the_field_and_start_nothing",
+)
+
+
+def tier(nodeid: str) -> str | None:
+    """``system``, ``e2e`` or None (fast) for a test's node id."""
+    if nodeid.startswith(SYSTEM):
+        return "system"
+    if nodeid.startswith(E2E):
+        return "e2e"
+    return None
+
 
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
-    """The container tests run last: their engine (and its gigabytes of image layers) is
-    stopped and removed when they end, so it never shares the machine with the timing-sensitive
-    process tests."""
+    """Mark each test with its tier. The container tests run last: their engine (and its gigabytes
+    of image layers) is stopped and removed when they end, so it never shares the machine with
+    the process tests."""
+    for item in items:
+        name = tier(item.nodeid)
+        if name is not None:
+            item.add_marker(getattr(pytest.mark, name))
     items.sort(key=lambda item: "containers" in item.path.relative_to(config.rootpath).parts[:2])

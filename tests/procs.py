@@ -85,3 +85,12 @@ def gone(pid: int, within_s: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a live process has used (0 when it has gone)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

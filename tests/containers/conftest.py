@@ -16,9 +16,13 @@ Images:
   from the repository's Dockerfile on a Debian base made here with debootstrap (no image
   registry is reachable), installing from a wheelhouse made from this checkout.
 
-The engine is driven with the Docker SDK for Python (``docker``): the scenarios need kill, pause,
-restart and network disconnect on the containers themselves, and every container, network and
-volume a test makes is removed by that test. Ports are published on 127.0.0.1 only.
+The scenarios' containers and networks are made, started and removed with testcontainers
+(``fleet.py``), pointed at this engine through ``$DOCKER_HOST``; the verbs it has none of (kill,
+pause, restart, network disconnect) go to the Docker SDK for Python (``docker``) objects it wraps,
+and the images are built and imported with that SDK too. testcontainers' reaper (Ryuk) is off: its
+image cannot be pulled here (no registry is reachable). Instead every container, network and volume
+a test makes is removed by that test, and whatever still carries this session's testcontainers
+label when the package ends is removed then. Ports are published on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ import sys
 import tarfile
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
 from ddiloco.lab.procs import stop_processes
+
+if TYPE_CHECKING:
+    from docker.client import DockerClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENGINE_DIR = pathlib.Path(tempfile.gettempdir()) / "ddiloco-dockerd"
@@ -110,12 +118,21 @@ def _start_engine(root: pathlib.Path, driver: str) -> subprocess.Popen | None:
     return proc
 
 
+def _use_engine(url: str) -> None:
+    """Point testcontainers at ``url`` (it reads ``$DOCKER_HOST`` whenever it makes a client, and
+    makes one per container and network) and turn its reaper off, before any of them is made."""
+    from testcontainers.core.config import testcontainers_config
+
+    os.environ["DOCKER_HOST"] = url
+    testcontainers_config.ryuk_disabled = True
+
+
 @pytest.fixture(scope="package")
 def docker_engine():
     """DOCKER_HOST of a running engine (started here when none runs)."""
     for url in filter(None, [os.environ.get("DOCKER_HOST"), "unix:///var/run/docker.sock"]):
         if _ping(url):
-            os.environ["DOCKER_HOST"] = url
+            _use_engine(url)
             yield url
             return
     _install_engine()
@@ -129,7 +146,7 @@ def docker_engine():
             break
     assert proc is not None, f"dockerd exited at start-up: {(ENGINE_DIR / 'dockerd.log').read_text()[-3000:]}"
     try:
-        os.environ["DOCKER_HOST"] = url
+        _use_engine(url)
         yield url
     finally:
         os.environ.pop("DOCKER_HOST", None)
@@ -140,13 +157,31 @@ def docker_engine():
         shutil.rmtree(ENGINE_DIR / "exec", ignore_errors=True)
 
 
+def _remove_leftovers(client: DockerClient) -> None:
+    """Remove what still carries this session's testcontainers label: Ryuk's job, done here."""
+    from testcontainers.core.labels import LABEL_SESSION_ID, SESSION_ID
+
+    session = {"label": f"{LABEL_SESSION_ID}={SESSION_ID}"}
+    for container in client.containers.list(all=True, filters=session):
+        container.remove(force=True, v=True)
+    for network in client.networks.list(filters=session):
+        network.remove()
+    for volume in client.volumes.list(filters=session):
+        volume.remove(force=True)
+
+
 @pytest.fixture(scope="package")
 def docker_client(docker_engine):
     import docker
 
     client = docker.DockerClient(base_url=docker_engine, timeout=600)
-    yield client
-    client.close()
+    try:
+        yield client
+    finally:
+        try:
+            _remove_leftovers(client)
+        finally:
+            client.close()
 
 
 def _hostroot_tar() -> bytes:
@@ -188,13 +223,12 @@ def hostroot_image(docker_client) -> str:
     return HOSTROOT_TAG
 
 
-def hostroot_mounts() -> dict[str, dict[str, str]]:
-    """Bind mounts (docker-py ``volumes=``) that make this checkout's venv run in ``hostroot``."""
-    mounts = {"/usr": {"bind": "/usr", "mode": "ro"}}
-    for path in {pathlib.Path(sys.base_prefix).resolve(), ROOT}:
-        if not str(path).startswith("/usr/"):
-            mounts[str(path)] = {"bind": str(path), "mode": "ro"}
-    return mounts
+def hostroot_mounts() -> list[tuple[str, str, str]]:
+    """Read-only bind mounts, as (host, container, mode) for testcontainers' ``with_volume_mapping``,
+    that make this checkout's venv run in ``hostroot``."""
+    paths = {"/usr"} | {str(p) for p in (pathlib.Path(sys.base_prefix).resolve(), ROOT)
+                        if not str(p).startswith("/usr/")}
+    return [(path, path, "ro") for path in sorted(paths)]
 
 
 def hostroot_command(*args: str) -> list[str]:

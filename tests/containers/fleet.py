@@ -1,5 +1,12 @@
 """A ddiloco fleet as Docker containers on a user-defined network, and what the tests read of it.
 
+The containers and the network are made, started and removed with testcontainers
+(``DockerContainer`` on a ``Network``); the faults testcontainers has no verb for (kill, pause,
+restart, ``docker stop`` without removing, network disconnect) go to the Docker SDK objects it
+wraps. The synchronizer's state lives on a named volume, made with the Docker SDK
+(testcontainers makes none), and every container, the network and the volume carry this
+session's testcontainers label, so whatever a broken test leaves behind can be found.
+
 Every container writes its JSON event log into one host folder (bind-mounted at ``/events``), so
 the run is checked exactly like a ``ddiloco run`` folder: merge log, learner logs, contribution
 accounting and the chaos invariants of ``ddiloco.lab.invariants``.
@@ -14,8 +21,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Self
+
+from docker.client import DockerClient
+from docker.models.containers import Container
+from testcontainers.core.container import DockerContainer
+from testcontainers.core.labels import LABEL_SESSION_ID, SESSION_ID
+from testcontainers.core.network import Network
 
 from ddiloco.lab import invariants
 from ddiloco.lab.event_logs import load_run_dir
@@ -31,6 +44,13 @@ train: {threads: 1, eval_every: 0}
 STEPS = "1000000"
 """Learners run until they are stopped (every scenario is bounded by its own deadlines)."""
 
+ENGINE_TIMEOUT_S = 600
+"""Seconds one call to the engine may take: on ``vfs`` creating a container copies its whole
+image (gigabytes for the real images), far beyond the Docker SDK's default minute."""
+
+Mount = tuple[str, str, str]
+"""(host path or volume name, path in the container, "ro" or "rw"): ``with_volume_mapping``'s."""
+
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float, poll: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout
@@ -43,14 +63,25 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, poll: float = 
         time.sleep(poll)
 
 
+class _Container(DockerContainer):
+    def with_loopback_port(self, port: str) -> Self:
+        """Publish ``port`` on 127.0.0.1 only, on a host port the engine picks: testcontainers'
+        ``with_bind_ports`` takes no host address (the engine would listen on every interface),
+        and ``ports`` cannot go through ``with_kwargs`` (``start`` passes its own)."""
+        self.ports[port] = ("127.0.0.1", None)  # type: ignore[assignment]
+        return self
+
+
 class Fleet:
     """Containers of one scenario; ``close()`` removes every container, the network and volume."""
 
-    def __init__(self, client, images: dict[str, str], mounts: dict[str, dict[str, str]],
+    def __init__(self, client: DockerClient, images: dict[str, str], mounts: Iterable[Mount],
                  command: Callable[..., list[str]], workdir: pathlib.Path, config: str = CONFIG) -> None:
-        """``images``: role ("synchronizer", "learner") -> image; ``command(*args)``: the container
-        command line of ``ddiloco *args`` in those images."""
-        self.client, self.images, self.mounts, self.command = client, images, mounts, command
+        """``client``: the engine's Docker SDK client (the volume, and the verbs testcontainers
+        lacks); ``images``: role ("synchronizer", "learner") -> image; ``mounts``: what every
+        container mounts besides the event folder and the config; ``command(*args)``: the
+        container command line of ``ddiloco *args`` in those images."""
+        self.client, self.images, self.mounts, self.command = client, images, list(mounts), command
         self.tag = uuid.uuid4().hex[:8]
         self.events = workdir / "events"
         self.events.mkdir(mode=0o777)
@@ -58,45 +89,71 @@ class Fleet:
         self.config = workdir / "config.yaml"
         self.config.write_text(config)
         self.config.chmod(0o644)
-        self.network = client.networks.create(f"ddiloco-{self.tag}", driver="bridge")
-        self.volume = client.volumes.create(f"ddiloco-state-{self.tag}")
-        self.containers: dict[str, Any] = {}
+        self.containers: dict[str, DockerContainer] = {}
+        self._started: list[DockerContainer] = []
         self._learner_runs: dict[str, int] = {}
+        self.network = Network(docker_client_kw={"timeout": ENGINE_TIMEOUT_S},
+                               docker_network_kw={"driver": "bridge"}).create()
+        try:
+            self.volume = client.volumes.create(f"ddiloco-state-{self.tag}", labels={LABEL_SESSION_ID: SESSION_ID})
+        except BaseException:
+            self.network.remove()
+            raise
 
     # -- containers ----------------------------------------------------------------------------
 
-    def _run(self, role: str, name: str, args: list[str], **kwargs: Any):
-        volumes = dict(self.mounts)
-        volumes[str(self.events)] = {"bind": "/events", "mode": "rw"}
-        volumes[str(self.config)] = {"bind": "/etc/ddiloco/config.yaml", "mode": "ro"}
-        volumes.update(kwargs.pop("volumes", {}))
-        container = self.client.containers.run(
-            self.images[role], self.command(*args), name=f"{name}-{self.tag}", hostname=name, detach=True,
-            network=self.network.name, volumes=volumes,
-            environment={"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp"},
-            stop_signal="SIGTERM", **kwargs)
-        self.network.reload()
+    def _run(self, role: str, name: str, args: list[str], *, mounts: Iterable[Mount] = (),
+             loopback_ports: Iterable[str] = ()) -> DockerContainer:
+        container = (_Container(self.images[role], docker_client_kw={"timeout": ENGINE_TIMEOUT_S})
+                     .with_command(self.command(*args))
+                     .with_name(f"{name}-{self.tag}")
+                     .with_network(self.network)
+                     .with_network_aliases(name)
+                     .with_env("PYTHONUNBUFFERED", "1")
+                     .with_env("PYTHONDONTWRITEBYTECODE", "1")
+                     .with_env("HOME", "/tmp")
+                     .with_kwargs(hostname=name, stop_signal="SIGTERM"))
+        for host, inside, mode in [*self.mounts, (str(self.events), "/events", "rw"),
+                                   (str(self.config), "/etc/ddiloco/config.yaml", "ro"), *mounts]:
+            container.with_volume_mapping(host, inside, mode)
+        for port in loopback_ports:
+            container.with_loopback_port(port)
+        # registered before it starts: a start that fails half-way still leaves a container to remove
+        self._started.append(container)
         self.containers[name] = container
-        return container
+        return container.start()
 
-    def start_synchronizer(self, *extra: str):
-        c = self._run("synchronizer", "synchronizer", ["synchronizer", "--listen", "0.0.0.0:7000", "--state-dir", "/state",
-                                       "--config", "/etc/ddiloco/config.yaml", "--quorum", "1",
-                                       "--event-log", "/events/synchronizer.jsonl", *extra],
-                      volumes={self.volume.name: {"bind": "/state", "mode": "rw"}},
-                      ports={"7000/tcp": ("127.0.0.1", None)})
-        return c  # learners dial it by its host name on the network: synchronizer:7000
+    def start_synchronizer(self, *extra: str) -> DockerContainer:
+        # learners dial it by its alias on the network: synchronizer:7000
+        return self._run("synchronizer", "synchronizer",
+                         ["synchronizer", "--listen", "0.0.0.0:7000", "--state-dir", "/state",
+                          "--config", "/etc/ddiloco/config.yaml", "--quorum", "1",
+                          "--event-log", "/events/synchronizer.jsonl", *extra],
+                         mounts=[(self.volume.name, "/state", "rw")], loopback_ports=["7000/tcp"])
 
-    def start_learner(self, learner_id: str, *, synchronizer: str = "synchronizer:7000"):
+    def start_learner(self, learner_id: str, *, synchronizer: str = "synchronizer:7000") -> DockerContainer:
         run = self._learner_runs.get(learner_id, 0)
         self._learner_runs[learner_id] = run + 1
         # a restarted container of the same id logs into a file of its own; logs are joined by id
         return self._run("learner", learner_id, ["learner", "--synchronizer", synchronizer, "--learner-id", learner_id,
-                                      "--config", "/etc/ddiloco/config.yaml", "--steps", STEPS,
-                                      "--event-log", f"/events/{learner_id}.{run}.jsonl"])
+                                                 "--config", "/etc/ddiloco/config.yaml", "--steps", STEPS,
+                                                 "--event-log", f"/events/{learner_id}.{run}.jsonl"])
+
+    def sdk(self, name: str) -> Container:
+        """The Docker SDK container under ``name``'s testcontainer: kill, pause, restart and
+        ``docker stop`` (testcontainers' ``stop`` removes the container) are its verbs only."""
+        return self.containers[name].get_wrapped_container()
+
+    def disconnect(self, name: str) -> None:
+        """``docker network disconnect`` of ``name`` (a testcontainers ``Network`` only connects)."""
+        self.client.networks.get(self.network.id).disconnect(self.sdk(name))
+
+    def reconnect(self, name: str) -> None:
+        self.network.connect(self.containers[name].get_container_id(), network_aliases=[name])
 
     def status_port(self) -> int:
-        c = self.containers["synchronizer"]
+        """The synchronizer's published port, read afresh: a restart may publish another."""
+        c = self.sdk("synchronizer")
         c.reload()
         return int(c.attrs["NetworkSettings"]["Ports"]["7000/tcp"][0]["HostPort"])
 
@@ -109,17 +166,18 @@ class Fleet:
 
     def logs(self, name: str) -> str:
         try:
-            return self.containers[name].logs(tail=60).decode(errors="replace")
+            return self.sdk(name).logs(tail=60).decode(errors="replace")
         except Exception as exc:  # diagnostics only
             return f"<no logs: {exc}>"
 
     def close(self) -> None:
-        for c in self.containers.values():
-            with contextlib.suppress(Exception):  # already gone
-                c.remove(force=True)
-        for thing in (self.network, self.volume):
-            with contextlib.suppress(Exception):
-                thing.remove()
+        for c in reversed(self._started):
+            with contextlib.suppress(Exception):  # already gone, or never created
+                c.stop()
+        with contextlib.suppress(Exception):
+            self.network.remove()
+        with contextlib.suppress(Exception):
+            self.volume.remove(force=True)
 
     # -- what the event logs say ---------------------------------------------------------------
 
@@ -129,6 +187,17 @@ class Fleet:
     def merges_with(self, learner_id: str, after: float) -> int:
         return sum(1 for m in self.merges() if m.get("event") == "merge" and m["t"] > after
                    and learner_id in m.get("learners", []))
+
+    def merged_contributions(self, learner_id: str, after: float) -> set[tuple[int, int]]:
+        """(incarnation, sequence) of every contribution of ``learner_id`` in a merge after ``after``."""
+        return {(int(inc), int(seq)) for m in self.merges() if m.get("event") == "merge" and m["t"] > after
+                for lid, inc, seq in m.get("contributions", []) if lid == learner_id}
+
+    def sent(self, learner_id: str, before: float) -> set[tuple[int, int]]:
+        """(incarnation, sequence) of every contribution ``learner_id`` logged as sent before ``before``."""
+        events = load_run_dir(self.events).learners.get(learner_id, [])
+        return {(int(e["incarnation"]), int(e["sequence"])) for e in events
+                if e["event"] == "send" and e["t"] < before}
 
     def merged_results(self, learner_id: str, after: float) -> int:
         events = load_run_dir(self.events).learners.get(learner_id, [])

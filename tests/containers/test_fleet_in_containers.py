@@ -11,6 +11,8 @@ restarted or new learner contributing again.
 
 A learner stopped while it is still joining leaves within seconds, not after the grace period.
 These run the checkout's own code in the ``hostroot`` image; test_images.py runs the real images.
+The containers and the network are testcontainers' (fleet.py); each fault is sent to the Docker
+SDK container it wraps.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from docker.models.containers import Container
 
 from tests.containers.conftest import hostroot_command, hostroot_mounts
 from tests.containers.fleet import Fleet, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture()
@@ -43,7 +46,7 @@ def _versions(fleet: Fleet) -> dict[int, int]:
     return {int(f["fragment_id"]): int(f["version"]) for f in s.get("fragments", [])}
 
 
-def _pause(container, attempts: int = 5) -> None:
+def _pause(container: Container, attempts: int = 5) -> None:
     """``docker pause``, tried again when the cgroup freezer gives up ("unable to freeze": runc
     could not freeze every task in its time, which happens on a loaded machine); bounded."""
     import docker.errors
@@ -69,27 +72,29 @@ def test_a_containerised_fleet_survives_kill_pause_restart_and_disconnect(fleet,
     chaos_t = time.time()
 
     # scale down and up: SIGKILL one learner, start a new one
-    fleet.containers["learner-2"].kill()
+    fleet.sdk("learner-2").kill()
     fleet.start_learner("learner-3")
     t = time.time()
     wait_for("learner-3 contributing", lambda: fleet.merged_results("learner-3", t), 180)
     wait_for("the others merging after the kill", lambda: fleet.merges_with("learner-0", t), 60)
 
-    # straggler: freeze learner-1; the others go on merging without it
-    _pause(fleet.containers["learner-1"])
+    # straggler: freeze learner-1; the others go on merging without it, and of learner-1 only what
+    # it had sent before it froze (in flight then) may still land
+    _pause(fleet.sdk("learner-1"))
     t = time.time()
     try:
         wait_for("merges without the paused learner",
                  lambda: fleet.merges_with("learner-0", t) >= 2 and fleet.merges_with("learner-3", t) >= 2, 90)
-        assert fleet.merges_with("learner-1", t + 2.0) == 0  # (a contribution in flight may still land)
+        landed = fleet.merged_contributions("learner-1", t)
+        assert landed <= fleet.sent("learner-1", t), (sorted(landed), "merged, not sent before the pause")
     finally:
-        fleet.containers["learner-1"].unpause()
+        fleet.sdk("learner-1").unpause()
     t = time.time()
     wait_for("learner-1 contributing again after the pause", lambda: fleet.merged_results("learner-1", t), 120)
 
     # the synchronizer restarts on its volume: versions carry on from the committed state
     before = wait_for("versions before the restart", lambda: _versions(fleet), 30)
-    fleet.containers["synchronizer"].restart(timeout=30)
+    fleet.sdk("synchronizer").restart(timeout=30)
     t = time.time()
     after = wait_for("the restarted synchronizer answering", lambda: _versions(fleet), 120)
     assert all(after[p] >= v for p, v in before.items()), (before, after)
@@ -97,24 +102,24 @@ def test_a_containerised_fleet_survives_kill_pause_restart_and_disconnect(fleet,
         wait_for(f"{lid} merging after the restart", lambda lid=lid: fleet.merges_with(lid, t), 180)
 
     # network partition of one learner, then healed
-    fleet.network.disconnect(fleet.containers["learner-0"])
+    fleet.disconnect("learner-0")
     t = time.time()
     try:
         wait_for("merges during the partition", lambda: fleet.merges_with("learner-3", t) >= 2, 90)
     finally:
-        fleet.network.connect(fleet.containers["learner-0"])
+        fleet.reconnect("learner-0")
     t = time.time()
     wait_for("learner-0 contributing again after the partition", lambda: fleet.merged_results("learner-0", t), 180)
 
     # scale to zero: SIGTERM drains every learner within its grace period
     for lid in ("learner-0", "learner-1", "learner-3"):
-        c = fleet.containers[lid]
+        c = fleet.sdk(lid)
         started = time.monotonic()
         c.stop(timeout=60)
         c.reload()
         assert c.attrs["State"]["ExitCode"] == 0, fleet.logs(lid)
         assert time.monotonic() - started < 60, f"{lid} took the whole grace period"
-    fleet.containers["synchronizer"].stop(timeout=30)
+    fleet.sdk("synchronizer").stop(timeout=30)
 
     result = fleet.check(chaos_t)
     assert result["versions_monotonic"], result["version_problems"]
@@ -125,12 +130,14 @@ def test_a_containerised_fleet_survives_kill_pause_restart_and_disconnect(fleet,
 
 def test_docker_stop_of_a_joining_learner_returns_within_seconds(fleet):
     # nothing serves the address it dials: it stays in the joining phase
-    c = fleet.start_learner("learner-0", synchronizer="nobody-here:7000")
-    wait_for("the learner trying to join", lambda: b"reconnecting" in c.logs(), 120)
+    learner = fleet.start_learner("learner-0", synchronizer="nobody-here:7000")
+    wait_for("the learner trying to join", lambda: b"reconnecting" in b"".join(learner.get_logs()), 120)
+    c = fleet.sdk("learner-0")
     started = time.monotonic()
     c.stop(timeout=60)
     took = time.monotonic() - started
     c.reload()
     assert c.attrs["State"]["ExitCode"] == 0, fleet.logs("learner-0")
-    assert took < 15, f"docker stop took {took:.1f}s"
-    assert b"drained before joining" in c.logs()
+    # half the 60 s grace period: it leaves at once, with room for a machine twice as slow
+    assert took < 30, f"docker stop took {took:.1f}s"
+    assert b"drained before joining" in b"".join(learner.get_logs())

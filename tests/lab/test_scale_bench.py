@@ -24,7 +24,6 @@ synchronizer: {policy: {quorum: 1, grace_gamma: 0.5, max_grace_s: 1.0}, heartbea
 """
 
 
-@pytest.mark.slow
 def test_fleets_and_alone_run_and_are_measured_in_one_run(tmp_path):
     cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
     cfg.write_text(TINY)

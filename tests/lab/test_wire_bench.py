@@ -13,7 +13,7 @@ import sys
 import time
 
 from ddiloco.core.resources import THP_TUNABLE
-from tests.procs import children_of, cmdline, gone
+from tests.procs import children_of, cmdline, cpu_seconds, gone
 
 
 def _env(tunables: str | None = None) -> dict[str, str]:
@@ -121,7 +121,10 @@ def test_sigterm_stops_the_rerun_child_and_its_echo_servers(tmp_path):
             servers = [pid for pid in family if b"multiprocessing" in cmdline(pid)
                        and b"resource_tracker" not in cmdline(pid)]
         assert servers, f"the benchmark did not re-run itself and start an echo server: {family}"
-        time.sleep(1.0)  # under way
+        # under way: an echo server has done a measurable amount of work
+        while time.monotonic() < deadline and sum(cpu_seconds(pid) for pid in servers) < 0.2:
+            time.sleep(0.05)
+        assert sum(cpu_seconds(pid) for pid in servers) >= 0.2, "the echo servers never started working"
         children = children_of(bench.pid)
         family = sorted(set(family) | set(children) | {p for c in children for p in children_of(c)})
         bench.send_signal(signal.SIGTERM)

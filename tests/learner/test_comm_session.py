@@ -42,7 +42,16 @@ async def test_stop_says_goodbye_even_with_heartbeats_in_flight(tmp_path):
         try:
             await eventually(lambda: "b" in server.engine.membership.learners
                              and server.engine.membership.learners["b"].heartbeat_at > 0, what="b heartbeating")
-            await asyncio.sleep(0.3)
+            # a stream of heartbeats under way: twenty of them seen by the synchronizer
+            record = server.engine.membership.learners["b"]
+            beats: list[float] = []
+
+            def twenty() -> bool:
+                if not beats or record.heartbeat_at != beats[-1]:
+                    beats.append(record.heartbeat_at)
+                return len(beats) >= 20
+
+            await eventually(twenty, timeout_s=30, what="twenty heartbeats")
         finally:
             await asyncio.to_thread(comm.stop, "finished")
         assert not comm._thread.is_alive(), "stop() returned before the communication thread ended"

@@ -82,7 +82,6 @@ def _train(sync: DecoupledSync, model: nn.Module, opt: torch.optim.Optimizer, st
     return losses
 
 
-@pytest.mark.slow
 def test_an_in_process_loop_joins_merges_heals_and_a_second_loop_gets_the_global_model(tmp_path):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(PROTOCOL)
@@ -121,7 +120,6 @@ def test_an_in_process_loop_joins_merges_heals_and_a_second_loop_gets_the_global
             late.close()
 
 
-@pytest.mark.slow
 def test_a_learner_whose_protocol_or_model_disagrees_is_refused(tmp_path):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(PROTOCOL)
@@ -145,7 +143,6 @@ def _eval(*args: str, cwd: pathlib.Path) -> float:
     return float(json.loads(proc.stdout)["loss"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("hf", [False, True], ids=["own-gru", "transformers-llama"])
 def test_the_example_trains_two_learners_that_merge_and_its_export_evaluates_like_the_live_model(tmp_path, hf):
     """The acceptance path of a user's own loop: two learners of the example (a model defined in
@@ -169,6 +166,7 @@ def test_the_example_trains_two_learners_that_merge_and_its_export_evaluates_lik
     with synchronizer(tmp_path, "--config", str(config), "--quorum", "1") as target:
         procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--synchronizer", target, "--learner-id", f"learner-{i}",
                                    "--config", str(config), "--steps", "30", "--shard", str(i), "--no-resume",
+                                   "--min-step-s", "0.05",
                                    "--event-log", str(tmp_path / f"{i}.jsonl"),
                                    "--summary-file", str(tmp_path / f"{i}.json"), *extra],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -224,11 +222,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
 def test_a_two_rank_torchrun_learner_streams_once_and_keeps_its_ranks_identical(tmp_path):
     config = tmp_path / "own_loop.yaml"
     config.write_text("protocol: {num_fragments: 4, sync_every: 5, mode: decoupled}\n")
-    common = ["--config", str(config), "--steps", "30", "--no-resume"]
+    common = ["--config", str(config), "--steps", "30", "--no-resume", "--min-step-s", "0.05"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with synchronizer(tmp_path, "--config", str(config), "--quorum", "1") as target:
         single = subprocess.Popen([sys.executable, str(EXAMPLE), "--synchronizer", target, "--learner-id", "learner-1",
@@ -268,7 +265,6 @@ def test_a_two_rank_torchrun_learner_streams_once_and_keeps_its_ranks_identical(
     assert any(e["event"] == "apply" for e in single_events)
 
 
-@pytest.mark.slow
 def test_a_second_drain_ends_the_wait_for_results(tmp_path):
     """A stopped synchronizer answers nothing: ``finish()`` would wait its 30 s for the results of
     what was sent. A second ``drain()`` (the service's second SIGTERM) ends the wait at once, and

@@ -40,7 +40,7 @@ model: {{d_model: 32, n_layer: 1, n_head: 2, context: 32}}
 data: {{batch_size: 4, context: 32, max_bytes: 200000}}
 train: {{steps: 40, eval_every: 0, warmup_steps: 4, eval_batches: 4}}
 synchronizer: {{auth_tokens: {{learner-0: {token}}}}}
-learner: {{token_file: {token_file}}}
+learner: {{token_file: {token_file}, min_step_s: 0.03}}
 """
 
 
@@ -315,7 +315,7 @@ def test_another_model_or_layout_is_refused_with_what_differs(fleet, tmp_path, c
 
 def test_the_synchronizer_needs_the_configs_credentials(fleet, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("DDILOCO_TOKEN", raising=False)
-    anonymous = _variant(fleet, tmp_path, f"learner: {{token_file: {fleet.root / 'token'}}}", "")
+    anonymous = _variant(fleet, tmp_path, f"learner: {{token_file: {fleet.root / 'token'}, min_step_s: 0.03}}", "")
     rc, err, _ = _run_main(capsys, "--synchronizer", fleet.target, "--config", anonymous)
     assert rc == 2 and "refused the credentials" in err, err
     assert TOKEN not in err

@@ -10,10 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 CONFIG = """
 protocol: {num_fragments: 4, sync_every: 8}
 model: {d_model: 32, n_layer: 1, n_head: 2, context: 32}

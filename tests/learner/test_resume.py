@@ -52,7 +52,6 @@ def _events(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow
 def test_a_late_learner_starts_at_the_fleet_step_and_one_after_the_end_leaves(tmp_path):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG)

@@ -478,9 +478,12 @@ class ProtocolMachine(RuleBasedStateMachine):
     def odd_heartbeat(self, step: int, step_time: float, rate: float, done: bool) -> None:
         async def go() -> None:
             learner = await self._attacker()
+            record = self.live.server.engine.membership.learners[learner.learner_id]
+            before = record.heartbeat_at
             await learner.stream.send(wire.Heartbeat(step=step, tokens_total=step, tokens_per_s=rate,
                                                      step_time_s=step_time, sent_at_unix=rate, training_done=done))
-            await asyncio.sleep(0.05)
+            await eventually(lambda: record.heartbeat_at > before or learner.closed is not None,
+                             what="the heartbeat taken")
             assert learner.closed is None, learner.closed
 
         self.live.run(go())

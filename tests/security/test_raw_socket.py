@@ -79,6 +79,46 @@ def _until_closed(sock: socket.socket, budget_s: float = BUDGET_S) -> bool:
     return False
 
 
+PING_PROBE = frame(PING, 0, 0, b"probe!!!")
+"""Sent after hostile frames: HTTP/2 processes a connection's frames in order, so the server's
+ACK of this PING says it has read everything before it."""
+
+
+def _frames_until(sock: socket.socket, done, budget_s: float = 10.0) -> str:  # type: ignore[no-untyped-def]
+    """Read the server's HTTP/2 frames until ``done(kind, flags, stream, payload)`` holds
+    ("frame"), the server closes the connection ("closed") or ``budget_s`` passes ("timeout")."""
+    deadline = time.monotonic() + budget_s
+    sock.settimeout(0.2)
+    buf = b""
+    while time.monotonic() < deadline:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return "closed"
+        if not data:
+            return "closed"
+        buf += data
+        while len(buf) >= 9:
+            size = int.from_bytes(buf[:3], "big")
+            if len(buf) < 9 + size:
+                break
+            kind, flags, stream = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+            payload, buf = buf[9:9 + size], buf[9 + size:]
+            if done(kind, flags, stream, payload):
+                return "frame"
+    return "timeout"
+
+
+def _read_through_probe(sock: socket.socket) -> None:
+    """Send the PING probe and wait until the server answered it or closed the connection."""
+    with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+        sock.sendall(PING_PROBE)
+    got = _frames_until(sock, lambda kind, flags, stream, payload: kind == PING and flags & 1 and payload == b"probe!!!")
+    assert got in ("frame", "closed"), "the server neither answered the probe nor closed the connection"
+
+
 def _send(port: int, payload: bytes, *, half_close: bool = False, budget_s: float = BUDGET_S) -> bool:
     """One connection: send ``payload`` (then shut our side if ``half_close``); whether the
     server closed it within the budget. The socket is closed either way."""
@@ -101,28 +141,33 @@ def _streams(live: LiveServer) -> tuple[int | None, int]:
 def live(tmp_path_factory):
     server = LiveServer(tmp_path_factory.mktemp("raw-socket"))
     try:
+        server.run(server.check_serving())
         yield server
     finally:
         server.close()
 
 
+@pytest.fixture(scope="module")
+def idle_streams(live) -> tuple[int | None, int]:
+    """The open streams and connected learners of the idle service: the well-behaved learner's
+    one stream (a Sync stream counted by the limiter, where the server has one) and that learner."""
+    has_limiter = getattr(getattr(live.server, "servicer", None), "limiter", None) is not None
+    return (1 if has_limiter else None), 1
+
+
 @pytest.fixture(autouse=True)
-def unchanged(live):
+def unchanged(live, idle_streams):
     """Around every test: the service keeps serving and nothing in its state moves."""
+
+    async def back_to_idle():
+        await eventually(lambda: _streams(live) == idle_streams, timeout_s=30,
+                         what=f"open streams and learners back to {idle_streams}")
+
+    live.run(back_to_idle())
     before = live.run(live.check_serving())
-
-    async def counts():
-        return _streams(live)
-
-    streams_before = live.run(counts())
     yield
     assert live.run(live.check_serving()) == before
-
-    async def settled():
-        await eventually(lambda: _streams(live) == streams_before, timeout_s=10,
-                         what=f"open streams and learners back to {streams_before}")
-
-    live.run(settled())
+    live.run(back_to_idle())
 
 
 GARBAGE = {
@@ -175,7 +220,8 @@ def test_valid_preface_then_silence_does_not_block_others(live):
             sock = _connect(live.port)
             socks.append(sock)
             sock.sendall(OPEN)
-        time.sleep(0.5)
+        for sock in socks:  # the server took each connection: it sent its own SETTINGS
+            assert _frames_until(sock, lambda kind, flags, stream, payload: kind == SETTINGS) == "frame"
         live.run(live.check_serving())  # a learner connects, fetches and leaves while they are silent
         # a silent client that only ever sent half the preface
         half = _connect(live.port)
@@ -237,7 +283,7 @@ def test_hand_written_sync_calls_with_broken_grpc_framing(live, name):
     body = SYNC_BODIES[name]
     with _connect(live.port) as sock:
         sock.sendall(OPEN + frame(HEADERS, END_HEADERS, 1, SYNC_HEADERS) + frame(DATA, END_STREAM, 1, body))
-        time.sleep(0.2)
+        _read_through_probe(sock)
         live.run(live.check_serving())
     # ... and the same on a connection dropped mid-message, without END_STREAM
     with _connect(live.port) as sock:
@@ -250,7 +296,7 @@ def test_rapid_reset_of_sync_streams(live):
     with _connect(live.port) as sock:
         with contextlib.suppress(ConnectionResetError, BrokenPipeError):
             sock.sendall(OPEN + burst)
-        time.sleep(0.5)
+        _read_through_probe(sock)
         live.run(live.check_serving())
 
 

@@ -19,6 +19,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -85,14 +86,20 @@ async def test_a_learner_reporting_a_tiny_step_time_does_not_stall_the_synchroni
         learner = ScriptedLearner(port, "a")
         await learner.connect()
         await learner.upload_genesis()
-        for _ in range(100):
-            if (await get_status(target, timeout_s=5)).state == "ready":
-                break
+        deadline = time.monotonic() + 60
+        while (await get_status(target, timeout_s=5)).state != "ready":
+            assert time.monotonic() < deadline, "the synchronizer never became ready"
             await asyncio.sleep(0.05)
-        assert (await get_status(target, timeout_s=5)).state == "ready"
-        await learner.heartbeat(step_time_s=1e-300)  # one message, from one learner
-        await asyncio.sleep(0.5)
-        status = await asyncio.wait_for(get_status(target, timeout_s=3), 10)
+        await learner.heartbeat(step=7, step_time_s=1e-300)  # one message, from one learner
+        # the synchronizer took it (the learner's step moved to 7) and still answers at once
+        while True:
+            status = await asyncio.wait_for(get_status(target, timeout_s=5), 10)
+            if any(ls.learner_id == "a" and ls.step == 7 for ls in status.learners):
+                break
+            assert time.monotonic() < deadline, "the heartbeat never reached the synchronizer"
+            await asyncio.sleep(0.05)
+        assert status.state == "ready"
+        status = await asyncio.wait_for(get_status(target, timeout_s=5), 10)
         assert status.state == "ready"
     finally:
         proc.kill()

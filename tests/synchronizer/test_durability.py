@@ -129,7 +129,6 @@ async def _stream_contributions(learner: ScriptedLearner, versions: dict[int, in
         pass
 
 
-@pytest.mark.slow
 async def test_synchronizer_sigkill_mid_run_resumes_with_monotonic_versions(tmp_path):
     state_dir = tmp_path / "state"
     config = tmp_path / "sync.json"

@@ -17,10 +17,6 @@ import sys
 import time
 import urllib.request
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 CONFIG = """
 protocol: {num_fragments: 2, sync_every: 8, overlap: 2}
 model: {d_model: 32, n_layer: 1, n_head: 2, context: 32}
