@@ -31,6 +31,27 @@ SWEEPS: dict[str, tuple[str, ...]] = {
     # quality against bytes: the sync period H against the contributions' codec
     "frontier": tuple(f"decoupled:sync_every={h}:fragments={h}:overlap={min(2, h - 1)}:codec={codec}"
                       for h in (6, 12, 24, 48) for codec in ("bf16_zstd", "int4_block", "int2_block")),
+    # --- the second stage, at what the first one chose (dp's inner lr 6e-3) ---
+    # the spread over seeds of the references and the default
+    "seeds": tuple(f"{spec}:seed={seed}" for seed in (1, 2)
+                   for spec in ("dp:inner_lr=6e-3", "decoupled", "decoupled:warmup_steps=60:momentum_warmup=8")),
+    # the first stage's gains together, and the tuning knob dp gets as well
+    "combos": ("decoupled:overlap=1", "decoupled:warmup_steps=60:momentum_warmup=8",
+               "decoupled:warmup_steps=60:momentum_warmup=8:apply=overwrite",
+               "decoupled:warmup_steps=60:momentum_warmup=8:overlap=1",
+               "decoupled:momentum_warmup=8:outer_momentum=0.7", "decoupled:inner_lr=4.5e-3:outer_lr=0.5",
+               "dp:inner_lr=6e-3:warmup_steps=60"),
+    # the gap against the budget: 3x and 9x the tokens (dp's lr swept again at 3x)
+    "tokens": ("dp:steps=1800", "dp:steps=1800:inner_lr=4.5e-3", "dp:steps=1800:inner_lr=6e-3",
+               "decoupled:steps=1800", "diloco:steps=1800",
+               "dp:steps=5400:inner_lr=4.5e-3", "dp:steps=5400:inner_lr=6e-3", "decoupled:steps=5400"),
+    # a model 5.5x larger (4.9M parameters)
+    "size": ("dp:model=m5", "dp:model=m5:inner_lr=6e-3", "dp:model=m5:inner_lr=1.5e-3", "decoupled:model=m5",
+             "diloco:model=m5"),
+    # fleets of 2, 4 and 8 learners (each at 600 steps: the tokens grow with M)
+    "learners": tuple(f"{mode}:learners={m}" for m in (2, 4, 8) for mode in ("dp:inner_lr=6e-3", "dp", "decoupled")),
+    # the mixture-of-experts model
+    "moe": ("dp:model=moe", "dp:model=moe:inner_lr=6e-3", "decoupled:model=moe"),
 }
 
 

@@ -79,7 +79,7 @@ class SynchronizerConfig:
     outer_momentum: float = 0.5
     """Outer Nesterov momentum (0 gives plain SGD). DiLoCo's 0.9 assumes thousands of outer steps;
     with a few dozen per fragment (the default run's budget) high momentum overshoots. Long runs
-    may want more: ``ddiloco bench quality`` sweeps it for a budget."""
+    may want more: ``ddiloco study quality`` sweeps it for a budget (docs/quality.md)."""
     staleness_window: int = 4
     """Versions behind the current one a contribution may be and still be re-anchored."""
     stale_anchor: Literal["point", "delta"] = "point"
