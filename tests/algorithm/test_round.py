@@ -25,51 +25,83 @@ TIMINGS = Timings(step_time_s=1.0, quorum_time_s=0.0, sync_time_s=0.0)  # grace 
 LIVE = frozenset({"a", "b", "c"})
 
 
-def w(lid: str, base: int, at: float) -> Waiting:
-    return Waiting(lid, base, at)
+def w(lid: str, base: int, at: float, round_no: int = 1) -> Waiting:
+    """A contribution in the inbox, answering round ``round_no`` (0: a leftover or unsolicited)."""
+    return Waiting(lid, base, at, round_no)
 
 
 def test_a_round_opens_when_requested_and_latches_its_quorum() -> None:
     s = RoundState()
-    waiting = [w("a", 5, 9.5)]
+    waiting = [w("a", 4, 9.5, round_no=0)]
     d = s.decide(10.0, waiting, 5, LIVE, TIMINGS, RULES)
     assert not d.merge and s.opened_at is None, "a contribution alone does not open a round"
     s.open(10.0, 1, waiting=True)
     d = s.decide(10.0, waiting, 5, LIVE, TIMINGS, RULES)
-    assert (s.round, s.opened_at, s.quorum_at) == (1, 10.0, 10.0), "the waiting answer meets the quorum"
-    assert not d.merge and d.wake_at == pytest.approx(11.0) and d.grace_s == pytest.approx(1.0)
-    d = s.decide(10.5, [*waiting, w("b", 5, 10.4)], 5, LIVE, TIMINGS, RULES)
-    assert s.quorum_at == 10.0 and not d.merge, "later arrivals do not move the grace window"
-    d = s.decide(11.0, [*waiting, w("b", 5, 10.4)], 5, LIVE, TIMINGS, RULES)
-    assert d.merge and "elapsed" in d.reason
-    assert s.close() == (10.0, 10.0) and (s.opened_at, s.quorum_at) == (None, None)
+    assert (s.round, s.opened_at, s.quorum_at) == (1, 10.0, None), "a leftover does not meet the quorum"
+    assert not d.merge and "1 leftover" in d.reason
+    waiting.append(w("b", 5, 10.2))
+    d = s.decide(10.2, waiting, 5, LIVE, TIMINGS, RULES)
+    assert s.quorum_at == 10.2 and s.quorum_time_s == pytest.approx(0.2), "the first answer meets it"
+    assert not d.merge and d.wake_at == pytest.approx(11.2) and d.grace_s == pytest.approx(1.0)
+    d = s.decide(10.5, [*waiting, w("c", 5, 10.4)], 5, LIVE, TIMINGS, RULES)
+    assert s.quorum_at == 10.2 and not d.merge, "later arrivals do not move the grace window"
+    d = s.decide(11.2, [*waiting, w("c", 4, 10.4, round_no=0)], 5, LIVE, TIMINGS, RULES)
+    assert d.merge and "elapsed" in d.reason, "the leftovers merge with the round"
+    assert s.close() == (10.0, 10.2) and (s.opened_at, s.quorum_at) == (None, None)
+
+
+def test_with_quorum_one_a_leftover_from_the_last_round_does_not_end_the_round_at_its_request() -> None:
+    """K = 1, an answer of round 1 still waits when round 2 is requested (it came after round 1
+    merged). Counting it as a contributor would latch round 2's quorum at its request (quorum time
+    0) and merge it after the grace window, whatever the others' answers to round 2."""
+    s = RoundState()
+    s.open(10.0, 2, waiting=True)
+    late = [w("a", 4, 9.9, round_no=1)]
+    d = s.decide(10.0, late, 5, LIVE, TIMINGS, RULES)
+    assert not d.merge and s.quorum_at is None and d.wake_at is None
+    d = s.decide(10.4, [*late, w("b", 5, 10.4, round_no=2)], 5, LIVE, TIMINGS, RULES)
+    assert s.quorum_at == 10.4 and s.quorum_time_s == pytest.approx(0.4) and not d.merge
+    learner_clocked = RoundRules(policy=RULES.policy, overlap=2, learner_clocked=True)
+    t = RoundState()
+    t.decide(10.0, [w("a", 4, 9.9, round_no=0)], 5, LIVE, TIMINGS, learner_clocked)
+    assert t.opened_at is None, "where learners clock rounds, a contribution on an old version opens none"
+    t.decide(10.1, [w("a", 4, 9.9, round_no=0), w("b", 5, 10.1, round_no=0)], 5, LIVE, TIMINGS, learner_clocked)
+    assert (t.opened_at, t.quorum_at) == (10.1, 10.1), "... and one on the current version is an answer"
 
 
 def test_quorum_time_counts_from_the_request() -> None:
     s = RoundState()
     s.open(20.0, 3, waiting=False)
     assert not s.decide(20.1, [], 5, LIVE, TIMINGS, RULES).merge
-    s.decide(20.3, [w("a", 5, 20.3)], 5, LIVE, TIMINGS, RULES)
+    s.decide(20.3, [w("a", 5, 20.3, round_no=3)], 5, LIVE, TIMINGS, RULES)
     assert s.quorum_time_s == pytest.approx(0.3)
 
 
-def test_an_empty_round_is_reopened_by_the_next_request_and_a_waiting_one_is_not() -> None:
+def test_every_request_reopens_the_round_and_the_timeout_counts_from_the_first_one_waited_on() -> None:
     s = RoundState()
     s.open(1.0, 1, waiting=False)
     s.open(2.0, 2, waiting=False)
-    assert (s.round, s.opened_at) == (2, 2.0)
+    assert (s.round, s.opened_at, s.since) == (2, 2.0, 2.0)
     s.open(3.0, 3, waiting=True)
-    assert (s.round, s.opened_at) == (3, 2.0), "a round holding contributions keeps its start (and timeout)"
+    assert (s.round, s.opened_at, s.since) == (3, 3.0, 2.0), "quorum time from this request, timeout from 2.0"
+    s.decide(3.1, [w("a", 5, 3.1, round_no=3)], 5, LIVE, TIMINGS, RULES)
+    s.open(4.0, 4, waiting=True)
+    assert (s.opened_at, s.quorum_at) == (3.0, 3.1), "a latched quorum keeps its grace deadline"
 
 
-def test_every_live_learner_fresh_merges_at_once_but_stale_leftovers_do_not_count() -> None:
+def test_every_live_learner_answering_merges_at_once_but_leftovers_do_not_count() -> None:
     s = RoundState()
-    s.open(1.0, 1, waiting=False)
-    waiting = [w("a", 5, 1.0), w("b", 5, 1.1), w("c", 4, 1.2)]
+    s.open(1.0, 2, waiting=True)
+    # c's contribution answers round 1 (it came after that round merged): a leftover
+    waiting = [w("a", 5, 1.1, round_no=2), w("b", 5, 1.1, round_no=2), w("c", 5, 0.9, round_no=1)]
     d = s.decide(1.3, waiting, 5, LIVE, TIMINGS, RULES)
-    assert not d.merge, "c's contribution is from the previous version: its answer is not here yet"
-    d = s.decide(1.3, [*waiting[:2], w("c", 5, 1.25)], 5, LIVE, TIMINGS, RULES)
+    assert not d.merge, "c's answer to this round is not here yet"
+    d = s.decide(1.3, [*waiting[:2], w("c", 5, 1.25, round_no=2)], 5, LIVE, TIMINGS, RULES)
     assert d.merge and d.reason == "all 3 live learners contributed"
+    t = RoundState()
+    t.open(1.0, 2, waiting=False)
+    d = t.decide(1.3, [*waiting[:2], w("c", 5, 1.25, round_no=0)], 5, LIVE, TIMINGS, RULES)
+    assert d.merge, "unsolicited progress on the current version counts as an answer"
 
 
 def test_with_nobody_live_to_ask_what_waits_merges() -> None:

@@ -128,10 +128,13 @@ def test_quorum_of_all_learners_loses_more_than_quorum_one() -> None:
     cfg = SimConfig(chips=1_200_000, learners=8, hours=3.0, merge_hours=0.0)
     k1 = simulate(cfg.with_(quorum=1), ("decoupled",))[0]
     k8 = simulate(cfg.with_(quorum=8), ("decoupled",))[0]
-    # only answers that missed their round (they wait for the next one) come back late under K=1
-    assert k1.lost["late_merges"] < 0.005
-    assert k8.lost["late_merges"] > 0.03
-    assert k8.goodput < k1.goodput - 0.03
+    # Under K=1 almost nothing comes back late; K=8 waits for every live learner's answer to the
+    # round, so a learner that comes back up holds its rounds until it answers. (Before the quorum
+    # counted answers to the open round only, a leftover from an earlier round merged in every
+    # round it waited in, late: K=8 lost 5.1% to late merges, K=1 0.3%.)
+    assert k1.lost["late_merges"] < 0.001
+    assert k8.lost["late_merges"] > 10 * k1.lost["late_merges"]
+    assert k8.goodput < k1.goodput - 0.003
     # Every learner is asked at once and answers within one step, so K=1 with the grace window
     # gathers nearly the whole fleet (all but the paused) without waiting for anyone.
     assert k1.details["mean_contributors_per_merge"] > 0.85 * cfg.learners

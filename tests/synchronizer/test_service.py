@@ -148,13 +148,19 @@ async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anc
         rb = await b.wait_result(sb)
         assert ra.version == rb.version == 1 and server.engine.fragments[0].last_quorum_size == 2
         theta1 = server.engine.fragments[0].params.clone()
-        # c was computed against version 0 and arrives after the merge: staleness 1. (a and b
-        # heartbeat first so that all three are still live: c's merge is 1 of 3 learners.)
-        sc = await c.contribute(0, dc, base_version=0)
-        await _decided(server, "1 stale contributions; round not open yet")  # it waits for the next round
-        _request(server)
-        rc = await c.wait_result(sc)
+        # c was computed against version 0 and answers round 1 after it merged: staleness 1. It
+        # waits for the next round, where it is a leftover: it does not make that round's quorum
+        # (all three are live, so c's merge is 1 of 3 learners) ...
+        sc = await c.contribute(0, dc, base_version=0, round=1)
+        await _decided(server, "1 stale contributions; round not open yet")
+        round_2 = _request(server)
+        await _decided(server, "waiting for quorum: 0/1 answers (1 leftover)")
+        # ... until c answers round 2, still from version 0 (it has not applied version 1): the
+        # answer holds the leftover's progress and replaces it
+        sc2 = await c.contribute(0, dc, base_version=0, round=round_2)
+        rc = await c.wait_result(sc2)
         assert rc.outcome == "merged" and rc.version == 2 and rc.staleness == 1
+        assert (await c.wait_result(sc)).outcome == "superseded"
         # Hand-computed: merge of A,B (RDA per tensor, equal weights; 2 of 3 live learners, so a
         # 2/3 step when scaled by participation), Nesterov, then C alone (1/3): re-anchored to its
         # model ("point") or its Delta as is ("delta").
@@ -292,8 +298,8 @@ async def test_retained_versions_are_read_back_from_their_files_and_a_bad_one_re
         # a stale contribution re-anchored against version 0 read back from its file
         theta1 = frag.params.clone()
         d3 = _delta(3, b, 0)
-        _request(server)
-        s3 = await b.contribute(0, d3, base_version=0)
+        round_no = _request(server)
+        s3 = await b.contribute(0, d3, base_version=0, round=round_no)  # b's answer, from version 0
         r3 = await b.wait_result(s3)
         assert (r3.outcome, r3.version, r3.staleness) == ("merged", 2, 1)
         torch.testing.assert_close(frag.params, theta1 - (d3 + theta1 - theta0), rtol=1e-5, atol=1e-6)
@@ -302,12 +308,15 @@ async def test_retained_versions_are_read_back_from_their_files_and_a_bad_one_re
         blob = bytearray(path.read_bytes())
         blob[200] ^= 0xFF
         path.write_bytes(bytes(blob))
-        _request(server)
-        s4 = await a.contribute(0, _delta(4, a, 0), base_version=1)
+        round_no = _request(server)
+        s4 = await a.contribute(0, _delta(4, a, 0), base_version=1, round=round_no)
         await eventually(lambda: 1 not in frag.history, what="the bad version forgotten")
-        _request(server)  # the contribution kept by the failed merge waits for the next round
-        r4 = await a.wait_result(s4)
-        assert (r4.outcome, r4.reason) == ("rejected", "stale") and 1 not in frag.history
+        # the contribution kept by the failed merge waits; a answers the next round from the same base
+        round_no = _request(server)
+        s5 = await a.contribute(0, _delta(4, a, 0), base_version=1, round=round_no)
+        r5 = await a.wait_result(s5)
+        assert (r5.outcome, r5.reason) == ("rejected", "stale") and 1 not in frag.history
+        assert (await a.wait_result(s4)).outcome == "superseded"
         assert frag.version == 2
         for lr in (a, b):
             await lr.close()

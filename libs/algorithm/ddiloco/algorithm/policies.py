@@ -70,8 +70,15 @@ class RoundView:
     """Learners that currently count for quorums."""
     fresh: frozenset[str] | None = None
     """Contributors whose contribution was computed against the current version (None: all of
-    them). Only these satisfy "every live learner has contributed": a stale leftover from the
-    previous round says nothing about whether the learner's contribution to this round is near."""
+    them). The rejoin hold after a restart waits for these."""
+    answered: frozenset[str] | None = None
+    """Contributors that answered this round (None: all of them, or the fresh ones where those are
+    given). Only these count for the
+    quorum and for "every live learner has contributed": a leftover from an earlier round merges
+    with this one but says nothing about whether the learner's answer to it is near."""
+    since: float | None = None
+    """When the contributions waiting were first asked for (None: ``opened_at``); the merge
+    timeout counts from it."""
 
 
 @dataclass(frozen=True)
@@ -104,10 +111,11 @@ def required_quorum(policy: QuorumPolicy, live_count: int) -> int:
 
 def quorum_reached(view: RoundView, policy: QuorumPolicy) -> tuple[bool, str]:
     k = required_quorum(policy, len(view.live))
-    n = len(view.contributors)
+    n = len(view.contributors if view.answered is None else view.answered)
     if n >= k:
         return True, f"quorum {n}/{k}"
-    return False, f"waiting for quorum: {n}/{k} contributions"
+    leftovers = len(view.contributors) - n
+    return False, f"waiting for quorum: {n}/{k} answers" + (f" ({leftovers} leftover)" if leftovers else "")
 
 
 def grace_window(timings: Timings, overlap: int, policy: QuorumPolicy) -> tuple[float, str]:
@@ -132,13 +140,13 @@ def decide(now: float, view: RoundView, timings: Timings, overlap: int, policy: 
         return Decision(False, f"{len(view.contributors)} stale contributions; round not open yet")
     if not view.live:
         return Decision(True, f"no live learner to wait for; merging {len(view.contributors)} contributions")
-    arrived = view.contributors if view.fresh is None else view.fresh
+    arrived = next(s for s in (view.answered, view.fresh, view.contributors) if s is not None)
     if view.live <= arrived:
         return Decision(True, f"all {len(view.live)} live learners contributed")
     reached, why = quorum_reached(view, policy)
     if not reached:
         if policy.timeout_s is not None:
-            deadline = view.opened_at + policy.timeout_s
+            deadline = (view.opened_at if view.since is None else view.since) + policy.timeout_s
             if now >= deadline:
                 return Decision(True, f"timeout after {policy.timeout_s:.3f}s with {len(view.contributors)} "
                                       "contributions")

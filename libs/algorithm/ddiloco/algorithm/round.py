@@ -16,10 +16,22 @@ Decisions, and why:
 - **Where learners wait for merges** (streaming, diloco) they send at their own due steps, and a
   round opens with its first fresh contribution (``RoundRules.learner_clocked``; see
   ``ddiloco.core.modes`` for why).
-- **A round without contributions is re-opened by the next request**, so its quorum time counts
-  from the request that is being answered; one that holds contributions stays open.
-- **"Every live learner has contributed" counts fresh contributions only** (against the current
-  version): a stale leftover says nothing about whether the learner's answer is near.
+- **The quorum counts answers to the open round.** Each contribution carries the round of the
+  request it answers (0: unsolicited, such as a learner's last progress as it finishes). Where
+  the synchronizer clocks rounds, K counts the contributions that answer the open round (and
+  unsolicited progress on the current version, such as a finishing learner's, and whatever waits
+  from a learner the request did not reach); a leftover (a late answer to an earlier round from a
+  learner that was asked again) still merges in this round, re-anchored where its base is older,
+  but never makes the quorum: with K = 1 a leftover would otherwise meet the quorum
+  the moment the request goes out, the round's quorum time would read 0, and only the grace
+  window would keep the fresh answers in. Where learners clock rounds, the answers are the
+  contributions against the current version.
+- **Every request re-opens the round** (unless its quorum has latched and its grace is running),
+  so its quorum time counts from the request that is being answered, as the grace window's
+  formula means it. A merge timeout counts from the first request that found the inbox empty, so
+  contributions that wait for a quorum that cannot come are merged when it runs out.
+- **"Every live learner has contributed" counts answers only**: a leftover says nothing about
+  whether the learner's answer to this round is near.
 - **The quorum latches.** The moment a round first reaches its quorum starts the grace window
   and is not moved by later arrivals or departures.
 - **The rejoin hold.** After a restart on existing state, a merge waits (until ``until``) for the
@@ -46,6 +58,8 @@ class Waiting:
     learner_id: str
     base_version: int
     arrived_at: float
+    round: int = 0
+    """The round of the request it answers (0: unsolicited)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,13 +158,20 @@ class RoundState:
     round: int = 0
     opened_at: float | None = None
     quorum_at: float | None = None
+    since: float | None = None
+    """When the contributions now waiting were first asked for (the merge timeout counts from it)."""
+    asked: frozenset[str] | None = None
+    """The learners the round's request reached (None: every one)."""
 
-    def open(self, now: float, round_no: int, *, waiting: bool) -> None:
+    def open(self, now: float, round_no: int, *, waiting: bool, asked: frozenset[str] | None = None) -> None:
         """The fragment fell due and every live learner was asked for it (``waiting``: the inbox
-        already holds contributions, which keep an open round open)."""
-        self.round = round_no
-        if self.opened_at is None or not waiting:
-            self.opened_at, self.quorum_at = now, None
+        already holds contributions; ``asked``: the learners the request reached). A round whose
+        quorum has latched keeps its grace deadline; any other starts counting from this request."""
+        self.round, self.asked = round_no, asked
+        if self.quorum_at is None:
+            self.opened_at = now
+        if self.since is None or not waiting:
+            self.since = now
 
     def observe(self, now: float, waiting: Iterable[Waiting], version: int, live: frozenset[str],
                 rules: RoundRules) -> RoundView:
@@ -161,9 +182,18 @@ class RoundState:
             self.opened_at = min(fresh_arrivals)
         if self.opened_at is None and waiting and not live:
             self.opened_at = now  # nobody left to ask: what waits is all there will be
+        if self.since is None:
+            self.since = self.opened_at
         contributors = frozenset(w.learner_id for w in waiting)
         fresh = frozenset(w.learner_id for w in waiting if w.base_version == version)
-        view = RoundView(self.opened_at, self.quorum_at, contributors, live, fresh)
+        if rules.learner_clocked:
+            answered = fresh
+        else:  # answers to this request, unsolicited progress on the current version, and the last
+            # word of a learner this request did not reach (it was down when it went out)
+            answered = frozenset(w.learner_id for w in waiting
+                                 if (self.round and w.round == self.round) or (w.round == 0 and w.base_version == version)
+                                 or (self.asked is not None and w.learner_id not in self.asked))
+        view = RoundView(self.opened_at, self.quorum_at, contributors, live, fresh, answered, self.since)
         if self.opened_at is not None and self.quorum_at is None and quorum_reached(view, rules.policy)[0]:
             self.quorum_at = now
             view = dataclasses.replace(view, quorum_at=now)
@@ -191,7 +221,7 @@ class RoundState:
     def close(self) -> tuple[float | None, float | None]:
         """The round merges: (opened_at, quorum_at) for the record; the next round starts empty."""
         opened = (self.opened_at, self.quorum_at)
-        self.opened_at = self.quorum_at = None
+        self.opened_at = self.quorum_at = self.since = None
         return opened
 
     @property

@@ -174,6 +174,8 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     req_t, req_p, req_r = _requests(cfg, jobs, start, horizon)
     cols_t, cols_k, cols_m, cols_p, cols_s = [req_t], [np.full(req_t.size, _REQUEST)], [np.zeros(req_t.size, np.int64)], \
         [req_p], [req_r]
+    cols_r = [req_r]
+    """The round each event belongs to: a request's own, an answer's request's."""
     for m, job in enumerate(jobs):
         ok, at, step = _answers(job, req_t)
         n_a, n_p = int(ok.sum()), len(job.pauses)
@@ -182,12 +184,14 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
         cols_m += [np.full(n_a + 2 * n_p, m)]
         cols_p += [req_p[ok], np.zeros(2 * n_p, dtype=np.int64)]
         cols_s += [step[ok], np.zeros(2 * n_p, dtype=np.int64)]
+        cols_r += [req_r[ok], np.zeros(2 * n_p, dtype=np.int64)]
     ev_t, ev_k = np.concatenate(cols_t), np.concatenate(cols_k)
     ev_m, ev_p, ev_s = np.concatenate(cols_m), np.concatenate(cols_p), np.concatenate(cols_s)
+    ev_r = np.concatenate(cols_r)
     keep = (ev_t >= start) & (ev_t < horizon)
     order = np.lexsort((ev_k[keep], ev_t[keep]))  # by time; at a tie: requests, answers, drop-outs, returns
     events = zip(ev_t[keep][order].tolist(), ev_k[keep][order].tolist(), ev_m[keep][order].tolist(),
-                 ev_p[keep][order].tolist(), ev_s[keep][order].tolist(), strict=True)
+                 ev_p[keep][order].tolist(), ev_s[keep][order].tolist(), ev_r[keep][order].tolist(), strict=True)
 
     stats = MergeStats(window_s=horizon - start)
     step_avg = policies.RunningAverage(initial=float(np.mean(step_of)))
@@ -196,7 +200,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     timings = policies.Timings(step_time_s=step_avg.get(), quorum_time_s=0.0, sync_time_s=0.0)
     rules = RoundRules(policy=policy, overlap=tau)
     rounds = [RoundState() for _ in range(frags)]
-    inbox: list[dict[str, tuple[float, int, int]]] = [{} for _ in range(frags)]
+    inbox: list[dict[str, tuple[float, int, int, int]]] = [{} for _ in range(frags)]
     round_id = [0] * frags
     # Step of each learner's last merged contribution per fragment (None: none yet in the window,
     # counted as one nominal H-step period for the token weights).
@@ -218,7 +222,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
         nonlocal wake_seq, last_merge_at
         box, state = inbox[p], rounds[p]
         latched = state.quorum_at
-        waiting = [Waiting(name, 0, sent_at) for name, (sent_at, _, _) in box.items()]
+        waiting = [Waiting(name, 0, sent_at, round_no) for name, (sent_at, _, _, round_no) in box.items()]
         decision = state.decide(now, waiting, 0, live_view, timings, rules)
         if latched is None and state.quorum_at is not None:
             quorum_avg.update(state.quorum_time_s)
@@ -232,7 +236,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
         arrive = now + sync_s
         tokens, steps, step_sum = [], [], 0.0
         last = last_merged_step
-        for sent_at, step, m in box.values():
+        for sent_at, step, m, _ in box.values():
             apply_at = sent_at + tau * step_of[m]
             if arrive > apply_at:
                 stats.late_chip_s += compute_rate[m] / frags * uptime[m].between(apply_at, arrive)
@@ -264,11 +268,11 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
             if rid == round_id[p]:
                 evaluate(p, at)
 
-    for t, kind, m, p, step in events:
+    for t, kind, m, p, step, round_no in events:
         if wakes and wakes[0][0] <= t:
             wake_until(t)
         if kind == _REQUEST:
-            rounds[p].open(t, step, waiting=bool(inbox[p]))
+            rounds[p].open(t, step, waiting=bool(inbox[p]), asked=live_view)
             if inbox[p]:
                 evaluate(p, t)
         elif kind == _ANSWER:
@@ -277,7 +281,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
             name = names[m]
             if name in box:
                 stats.replaced += 1  # the newer contribution carries the older one's progress
-            box[name] = (t, step, m)
+            box[name] = (t, step, m, round_no)
             evaluate(p, t)
         elif kind == _DOWN:
             live.discard(names[m])

@@ -76,7 +76,7 @@ def check_hello(hello: Hello, mine: ProtocolParams, state: LoadedState | None) -
 def contribution_of(rec: LearnerRecord, transfer: Transfer) -> Contribution:
     h = transfer.header
     return Contribution(rec.learner_id, h.sequence, h.fragment_id, h.version, h.tokens, h.steps,
-                        transfer.received_at, h.learner_step, rec.incarnation)
+                        transfer.received_at, h.learner_step, rec.incarnation, h.round)
 
 
 class Admission:

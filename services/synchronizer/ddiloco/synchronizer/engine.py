@@ -189,12 +189,12 @@ class Engine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._clock_event.wait(), timeout=timeout)
 
-    def _ask(self, request: FragmentRequest) -> int:
-        """Send ``request`` to every live learner."""
+    def _ask(self, request: FragmentRequest) -> frozenset[str]:
+        """Send ``request`` to every live learner; the learners asked."""
         live = self.membership.live_records(self.clock())
         for rec in live:
             rec.outbox.put_control(request)
-        return len(live)
+        return frozenset(rec.learner_id for rec in live)
 
     async def stop(self) -> None:
         """Finish any merge/commit in progress, then stop the rounds."""

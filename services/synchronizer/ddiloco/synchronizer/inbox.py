@@ -35,6 +35,8 @@ class Contribution:
     arrived_at: float
     learner_step: int = 0
     incarnation: int = 0
+    round: int = 0
+    """The round of the request it answers (0: unsolicited)."""
     carried: tuple[Contribution, ...] = ()
     """Older contributions of the same learner whose deltas are summed into this one's row."""
 

@@ -78,8 +78,8 @@ class RoundContext:
     publish: Callable[[GlobalTransfer], None]
     merged: Callable[[float, float], None]
     """Feeds the running averages: (quorum time, sync time) of a committed merge."""
-    ask: Callable[[FragmentRequest], int]
-    """Send a request to every live learner; how many were asked."""
+    ask: Callable[[FragmentRequest], frozenset[str]]
+    """Send a request to every live learner; the learners asked."""
     closing: Callable[[], bool]
     ledger: Ledger
     rejoin: RejoinHold
@@ -131,13 +131,13 @@ class FragmentRound:
 
     def request(self, now: float, round_no: int) -> None:
         """The fragment fell due: open its round and ask every live learner for it."""
-        self.state.open(now, round_no, waiting=len(self.inbox) > 0)
         asked = self.ctx.ask(FragmentRequest(fragment_id=self.index, round=round_no, version=self.fragment.version))
-        self.log.debug("requested", round=round_no, version=self.fragment.version, learners=asked)
+        self.state.open(now, round_no, waiting=len(self.inbox) > 0, asked=asked)
+        self.log.debug("requested", round=round_no, version=self.fragment.version, learners=len(asked))
         self.poke()
 
     def waiting(self) -> list[Waiting]:
-        return [Waiting(c.learner_id, c.base_version, c.arrived_at) for c in self.inbox.entries]
+        return [Waiting(c.learner_id, c.base_version, c.arrived_at, c.round) for c in self.inbox.entries]
 
     async def _run(self) -> None:
         ctx = self.ctx
