@@ -137,6 +137,20 @@ def test_rda_magnitude_is_weighted_mean_of_norms_per_tensor():
         assert np.linalg.norm(got[s:e]) == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1e-21, 1e-23, 1e-30, 1e-36])
+def test_tiny_updates_are_merged_not_zeroed(scale):
+    """Values so small that their fp32 squares underflow (below ~1e-19): the norms are counted in
+    float64, so the tensor's update keeps its size and direction instead of becoming 0."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3, 500)) * scale).astype(np.float32)
+    x[1] = np.abs(x[1])
+    segments, embedding = [(0, 200), (200, 500)], [False, False]
+    got = run(x, [0.2, 0.3, 0.5], segments, embedding, "rda")
+    want = reference_merge(x, [0.2, 0.3, 0.5], segments, embedding, "rda")
+    assert np.abs(got).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
 def test_single_contribution_is_returned_exactly():
     x = torch.randn(1, 1000)
     for method in ("rda", "mean"):

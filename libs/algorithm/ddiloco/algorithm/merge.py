@@ -50,6 +50,10 @@ METHODS = ("rda", "mean")
 _CHUNK = 1 << 20
 """Values per cache-resident chunk of the merged output (4 MiB fp32). Smaller chunks cost more
 parallel regions (each with a fixed cost, far worse on an oversubscribed host) for no measured gain."""
+_TINY_NORM = 1e-15
+"""Below this an fp32 norm is recomputed in float64 (its squares may have underflowed); norms of
+real outer gradients are many orders of magnitude larger, so the fast path is always taken."""
+_TINY_SQ = _TINY_NORM ** 2
 _CANCELLED = 1e-5
 """Directions that agree less than this (|sum w unit(D)| / sum w) cancel: unit(~0) = 0. Below it
 the fp32 sum is rounding noise, and scaling noise up to the full magnitude would be a random step."""
@@ -122,7 +126,8 @@ def merge_deltas(
 
 def _rda(seg: torch.Tensor, w: list[float], dst: torch.Tensor) -> float:
     """RDA of one tensor's rows into ``dst``; returns the squared norm of the result."""
-    norms = torch.linalg.vector_norm(seg, dim=1).tolist()
+    norms = [_norm_or_exact(row, nm) for row, nm in zip(seg, torch.linalg.vector_norm(seg, dim=1).tolist(),
+                                                         strict=True)]
     for wm, nm in zip(w, norms, strict=True):
         if wm > 0 and not math.isfinite(nm):
             return math.inf
@@ -143,6 +148,8 @@ def _rda(seg: torch.Tensor, w: list[float], dst: torch.Tensor) -> float:
     sq = _combine(seg, scaled, dst, scale=1.0)
     if not math.isfinite(sq):
         return sq
+    if sq < _TINY_SQ:  # the fp32 sum of squares may have underflowed: count it exactly
+        sq = float(torch.linalg.vector_norm(dst, dtype=torch.float64)) ** 2
     # |sum w unit(D)| / sum w, in [0, 1]: how much the learners' directions agree.
     agreement = math.sqrt(sq) / math.fsum(c * nm for c, nm in zip(scaled, norms, strict=True))
     if agreement < _CANCELLED:
@@ -150,6 +157,15 @@ def _rda(seg: torch.Tensor, w: list[float], dst: torch.Tensor) -> float:
         return 0.0
     dst.mul_(magnitude / math.sqrt(sq))
     return magnitude * magnitude
+
+
+def _norm_or_exact(row: torch.Tensor, fp32_norm: float) -> float:
+    """A row's L2 norm. fp32 squares of values below ~1e-19 underflow, so a small fp32 norm may
+    be short or 0 (and RDA would then drop or zero the whole tensor): below ``_TINY_NORM`` it is
+    recomputed with float64 accumulation. Only such rows pay for it."""
+    if fp32_norm >= _TINY_NORM or not math.isfinite(fp32_norm):
+        return fp32_norm
+    return float(torch.linalg.vector_norm(row, dtype=torch.float64))
 
 
 def _combine(seg: torch.Tensor, coef: list[float], dst: torch.Tensor, *, scale: float,
