@@ -294,3 +294,28 @@ async def test_norm_guard_stops_a_learner_sending_a_huge_update(tmp_path, action
             assert moved <= 0.7 * (1.5 * 10 + 1) * typical
             assert server.engine.metrics.norm_clipped._value.get() == 1
         await a.close()
+
+
+async def test_weight_guard_refuses_an_answer_claiming_far_more_tokens_than_the_fleet(tmp_path):
+    """A learner claiming 100x its tokens per step would take ~99.99% of a merge's weight
+    (w = tokens^2/steps); the guard refuses it with a reason that says what was expected, the
+    global model does not move, and honest answers around it still merge."""
+    from ddiloco.algorithm.weight_guard import WeightGuardPolicy
+
+    guard = WeightGuardPolicy(factor=4.0, min_history=3)
+    async with running_server(sync_config(tmp_path, weight_guard=guard)) as server:
+        a = await _genesis(server)
+        numel = a.layout[0].numel
+        for v in range(3):  # three honest answers: 1000 tokens over 4 steps
+            seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=v, tokens=1000, steps=4)
+            assert (await a.wait_result(seq)).outcome == "merged"
+        before = _snapshot(server)
+        seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=3, tokens=100_000, steps=4)
+        result = await a.wait_result(seq)
+        assert result.outcome == "rejected" and result.reason == "weight_outlier"
+        assert "25000 per step" in result.detail and "median 250 per step" in result.detail
+        _unchanged(server, before)
+        assert server.engine.metrics.contributions.labels(outcome="rejected", reason="weight_outlier")._value.get() == 1
+        seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=3, tokens=2000, steps=4)  # 2x: passes
+        assert (await a.wait_result(seq)).outcome == "merged"
+        await a.close()

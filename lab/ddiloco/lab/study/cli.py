@@ -4,6 +4,7 @@
     ddiloco study quality --cases dp,decoupled:sync_every=12:fragments=12 --seeds 0,1,2
     ddiloco study quality --sweep frontier --list          # what would run, and what is saved
     ddiloco study report                                   # tables and plots from what is saved
+    ddiloco study faults                                   # the modes under one fault plan, real fleets
 
 Each case is saved as ``<out>/<id>.json`` when it finishes and skipped when present, so a study
 can be stopped and resumed at any time, and several workers (``--threads 1`` each) may share one
@@ -33,10 +34,24 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--threads", type=int, default=0, help="torch threads (0: the CPUs this process may use)")
     q.add_argument("--list", action="store_true", help="list the cases and whether each is saved; run nothing")
     q.add_argument("--list-sweeps", action="store_true", help="list the named sweeps and exit")
+    f = sub.add_parser("faults", help="decoupled, streaming and diloco under one fault plan: eval loss against "
+                                      "wall time (real local fleets)")
+    f.add_argument("--out", default="study-results/faults", help="results folder (default study-results/faults)")
+    f.add_argument("--steps", type=int, default=600, help="inner steps per learner (default 600)")
+    f.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("report", help="tables and plots of the saved results")
     r.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     r.add_argument("--docs", default="", help="also write the report's PNG plots into this folder")
     args = parser.parse_args(argv)
+    if args.command == "faults":
+        if args.steps < 1:
+            parser.error("--steps must be >= 1")
+        import pathlib
+
+        from ddiloco.lab.study.faults import run_modes
+
+        run_modes(pathlib.Path(args.out), steps=args.steps, seed=args.seed)
+        return 0
     if args.command == "report":
         from ddiloco.lab.study.report import report
 

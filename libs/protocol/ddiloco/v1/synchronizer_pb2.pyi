@@ -57,6 +57,7 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_FUTURE_VERSION: _ClassVar[RejectReason]
     REJECT_REASON_TIMEOUT: _ClassVar[RejectReason]
     REJECT_REASON_NORM_OUTLIER: _ClassVar[RejectReason]
+    REJECT_REASON_WEIGHT_OUTLIER: _ClassVar[RejectReason]
 
 class ContributionOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -100,6 +101,7 @@ REJECT_REASON_UNSUPPORTED_CODEC: RejectReason
 REJECT_REASON_FUTURE_VERSION: RejectReason
 REJECT_REASON_TIMEOUT: RejectReason
 REJECT_REASON_NORM_OUTLIER: RejectReason
+REJECT_REASON_WEIGHT_OUTLIER: RejectReason
 CONTRIBUTION_OUTCOME_UNSPECIFIED: ContributionOutcome
 CONTRIBUTION_OUTCOME_MERGED: ContributionOutcome
 CONTRIBUTION_OUTCOME_REJECTED: ContributionOutcome

@@ -9,7 +9,9 @@ Every check that can refuse input lives here, in the order it is made, each with
   ``genesis``), global state ready, a fragment this shard owns, the global layout, tokens and
   steps > 0, not a contribution already merged (a re-send after a reconnect is answered, never
   merged twice), a base within the staleness window (``staleness_verdict``, the same rule the
-  merge applies), and a payload that decodes to finite values of the right shapes. A learner
+  merge applies), tokens per step within the weight guard's bound (``weight_outlier``:
+  ``ddiloco.algorithm.weight_guard``; token weights grow with the square of the tokens claimed),
+  and a payload that decodes to finite values of the right shapes. A learner
   whose payload is refused for its content stops counting as live (``LearnerRecord.faulty``)
   until a good one arrives, so no round waits for what it cannot give. Last, with
   ``norm_guard`` on, a norm per step within ``factor`` times the fragment's recent median
@@ -29,6 +31,7 @@ import torch
 
 from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.round import staleness_verdict
+from ddiloco.algorithm.weight_guard import WeightGuard, WeightGuardPolicy
 from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.errors import FragmentError
 from ddiloco.fragments.payload import decode_fragment
@@ -84,7 +87,8 @@ class Admission:
 
     def __init__(self, *, ledger: Ledger, staleness_window: int, shard: str,
                  run_blocking: Callable[..., Awaitable[Any]], codec_threads: int,
-                 norm_guard: NormGuard, on_clip: Callable[[Contribution, str], None]) -> None:
+                 norm_guard: NormGuard, on_clip: Callable[[Contribution, str], None],
+                 weight_guard: WeightGuard | None = None) -> None:
         self.ledger = ledger
         self.window = staleness_window
         self.shard = shard
@@ -93,6 +97,7 @@ class Admission:
         self.codec_threads = codec_threads
         self.norm_guard = norm_guard
         self.on_clip = on_clip
+        self.weight_guard = weight_guard or WeightGuard(WeightGuardPolicy(action="off"))
 
     async def admit(self, rec: LearnerRecord, transfer: Transfer, c: Contribution,
                     state: LoadedState | None) -> torch.Tensor | None:
@@ -120,6 +125,10 @@ class Admission:
         if verdict is not None:
             self.ledger.reject(c, verdict.reason, verdict.detail, resync=True)
             return None
+        weight = self.weight_guard.judge(h.tokens, h.steps)
+        if not weight.accept:
+            rec.faulty = "weight_outlier"
+            return self._reject(c, "weight_outlier", weight.detail)
         try:
             delta = await self.run_blocking(decode_fragment, transfer, state.layout, zstd_threads=self.codec_threads)
         except FragmentError as exc:

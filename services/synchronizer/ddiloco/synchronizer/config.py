@@ -15,6 +15,7 @@ from pydantic.dataclasses import dataclass
 
 from ddiloco.algorithm.norm_guard import NormGuardPolicy
 from ddiloco.algorithm.policies import QuorumPolicy
+from ddiloco.algorithm.weight_guard import WeightGuardPolicy
 from ddiloco.core.config import STRICT, ConfigError, build, check_sections
 from ddiloco.core.modes import apply_mode, preset
 from ddiloco.protocol.client import message_limit
@@ -150,6 +151,8 @@ class SynchronizerConfig:
     """Connection, stream and transfer bounds."""
     norm_guard: NormGuardPolicy = field(default_factory=NormGuardPolicy)
     """Refuse or clip a contribution whose norm is an outlier against the fragment's recent ones."""
+    weight_guard: WeightGuardPolicy = field(default_factory=WeightGuardPolicy)
+    """Refuse an answer that claims more tokens per step than the fleet's recent answers allow."""
     tls_cert: str | None = None
     """PEM server certificate (with tls_key): serve TLS."""
     tls_key: str | None = None

@@ -32,6 +32,7 @@ from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
 from ddiloco.algorithm.policies import RunningAverage, Timings
 from ddiloco.algorithm.round import RejoinHold, RoundRules, StartHold
+from ddiloco.algorithm.weight_guard import WeightGuard
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
@@ -94,7 +95,8 @@ class Engine:
         self.admission = Admission(ledger=self.ledger, staleness_window=cfg.staleness_window,
                                    shard=f"{cfg.shard_index}/{cfg.shard_count} (P={cfg.protocol.num_fragments})",
                                    run_blocking=self.run_blocking, codec_threads=cfg.codec_threads,
-                                   norm_guard=NormGuard(cfg.norm_guard), on_clip=self._clipped)
+                                   norm_guard=NormGuard(cfg.norm_guard), on_clip=self._clipped,
+                                   weight_guard=WeightGuard(cfg.weight_guard))
         self.genesis = Genesis(store=self.store, ledger=self.ledger, num_fragments=cfg.protocol.num_fragments,
                                owned=self.owned, sharded=cfg.shard_count > 1,
                                protocol=to_dict(self.protocol_params()), history=cfg.staleness_window,
