@@ -166,3 +166,17 @@ def test_golden_fixture():
         torch.testing.assert_close(buf, torch.tensor(s["momentum"]), rtol=1e-6, atol=1e-6)
         # The fixture itself agrees with torch, so a bad rewrite cannot pin a bug.
         torch.testing.assert_close(torch.tensor(s["params"]), want[k][0], rtol=1e-6, atol=1e-6)
+
+
+def test_momentum_warmup_ramps_the_momentum_over_a_fragments_first_outer_steps() -> None:
+    outer = OuterNesterov(lr=0.7, momentum=0.5, momentum_warmup=4)
+    assert [outer.at(k).momentum for k in (1, 2, 3, 4, 5, 100)] == [0.125, 0.25, 0.375, 0.5, 0.5, 0.5]
+    assert outer.at(1).lr == 0.7 and OuterNesterov(momentum=0.9).at(1).momentum == 0.9
+    # the first step with the ramp is the step of an optimizer with that momentum
+    params, buf, delta = torch.ones(8), torch.zeros(8), torch.full((8,), 0.1)
+    outer.at(1).step(params, buf, delta)
+    ref_params, ref_buf = torch.ones(8), torch.zeros(8)
+    OuterNesterov(lr=0.7, momentum=0.125).step(ref_params, ref_buf, delta)
+    assert torch.equal(params, ref_params) and torch.equal(buf, ref_buf)
+    with pytest.raises(ValueError, match="warm-up"):
+        OuterNesterov(momentum_warmup=-1)

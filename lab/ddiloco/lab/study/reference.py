@@ -302,8 +302,9 @@ class _Fleet:
             weights = [1.0 / len(rows)] * len(rows)
         merged = merge_deltas(deltas, weights, self.segments[p], self.embedding[p], case.merge)
         self.outer_steps[p] += 1
-        lr, momentum = outer_hyperparameters(case, step, self.outer_steps[p])
-        OuterNesterov(lr=lr, momentum=momentum).step(current, self.momentum[p], merged)
+        lr = outer_lr(case, step)
+        outer = OuterNesterov(lr=lr, momentum=case.outer_momentum, momentum_warmup=case.momentum_warmup)
+        outer.at(self.outer_steps[p]).step(current, self.momentum[p], merged)
         self.version[p] += 1
         self.history[p][self.version[p]] = current.clone()
         self.history[p].pop(self.version[p] - STALENESS_WINDOW - 1, None)
@@ -315,8 +316,8 @@ class _Fleet:
         return self.global_codec.decode(payload, self.theta[p].numel())
 
 
-def outer_hyperparameters(case: Case, step: int, outer_step: int) -> tuple[float, float]:
-    """(outer lr, momentum) of a merge at fleet ``step``, the fragment's ``outer_step``-th (1-based)."""
+def outer_lr(case: Case, step: int) -> float:
+    """The outer learning rate of a merge at fleet ``step`` (the case's schedule)."""
     progress = min(1.0, step / case.steps)
     floor = case.outer_lr * case.outer_lr_min
     if case.outer_schedule == "cosine":
@@ -325,7 +326,4 @@ def outer_hyperparameters(case: Case, step: int, outer_step: int) -> tuple[float
         lr = case.outer_lr - (case.outer_lr - floor) * progress
     else:
         lr = case.outer_lr
-    momentum = case.outer_momentum
-    if case.momentum_warmup:
-        momentum *= min(1.0, outer_step / case.momentum_warmup)
-    return lr, momentum
+    return lr

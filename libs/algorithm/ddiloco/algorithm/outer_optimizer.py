@@ -20,6 +20,7 @@ The rounding differs from torch's by an ulp or so; measured on 64 MiB fragments 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,12 +41,24 @@ class OuterNesterov:
     """Outer learning rate (DiLoCo: 0.7)."""
     momentum: float = 0.9
     """Nesterov momentum mu in [0, 1) (DiLoCo: 0.9); 0 gives plain SGD and needs no buffer."""
+    momentum_warmup: int = 0
+    """Outer steps of a fragment over which the momentum ramps linearly up to ``momentum`` (0: none).
+    The first outer gradients of a run are the largest and least alike; momentum built on them
+    carries them into the steps after."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"outer lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.momentum) and 0.0 <= self.momentum < 1.0):
             raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum_warmup < 0:
+            raise ValueError(f"outer momentum warm-up must be >= 0 outer steps, got {self.momentum_warmup}")
+
+    def at(self, outer_step: int) -> OuterNesterov:
+        """The optimizer of a fragment's ``outer_step``-th step (from 1): the momentum of the warm-up."""
+        if not self.momentum_warmup or outer_step >= self.momentum_warmup:
+            return self
+        return dataclasses.replace(self, momentum=self.momentum * max(1, outer_step) / self.momentum_warmup)
 
     def step(self, params: torch.Tensor, momentum_buf: torch.Tensor | None, delta: torch.Tensor) -> None:
         """One outer step, in place on ``params`` and ``momentum_buf`` (flat fp32, same shape).

@@ -160,7 +160,8 @@ class Engine:
         settings = MergeSettings(method=cfg.merge_method, embedding_patterns=cfg.embedding_patterns,
                                  stale_anchor=cfg.stale_anchor, staleness_window=cfg.staleness_window,
                                  scale_by_participation=cfg.scale_by_participation,
-                                 outer=OuterNesterov(lr=cfg.outer_lr, momentum=cfg.outer_momentum))
+                                 outer=OuterNesterov(lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                                     momentum_warmup=cfg.outer_momentum_warmup))
         ctx = RoundContext(clock=self.clock, wall=self.wall, live=lambda: self.membership.live(self.clock()),
                            timings=self.timings, run_blocking=self.run_blocking, commit=self.store.commit,
                            encode=self.encode_global, publish=self.publish, merged=self._merged, ask=self._ask,

@@ -260,7 +260,7 @@ class FragmentRound:
             merged = merged * scale
         params = current.clone()
         momentum = frag.momentum.clone()
-        settings.outer.step(params, momentum, merged)
+        settings.outer.at(frag.merges + 1).step(params, momentum, merged)
         merge_s = time.perf_counter() - t0
         transfer = self.ctx.encode(frag.spec, params, version + 1)
         t1 = time.perf_counter()
