@@ -423,6 +423,10 @@ class DecoupledSync:
             self.heal([p], f"{HEAL_AFTER} contributions in a row refused for their content")
         due = ({p: 0 for p in self.schedule.due(step)} if self.learners_wait else self.comm.take_requests())
         for p, round_no in sorted(due.items()):
+            if self._answered_lately(p, step):
+                self.events.emit("skip", step=step, fragment=p, round=round_no,
+                                 reason=f"its answer of step {self.sent[p].step} awaits its merge")
+                continue
             self._send(p, step, round_no)
         now = time.perf_counter()
         interval = now - self._last_end
@@ -498,7 +502,15 @@ class DecoupledSync:
         step = self.step_count
         if step > self.start_step:
             for frag in self.layout:
-                if self.sent.get(frag.index) is None or self.sent[frag.index].step != step:
+                pending = self.sent.get(frag.index)
+                if pending is None:
+                    self._send(frag.index, step, 0)
+                elif pending.step != step:
+                    # an answer still awaits its merge: count only the progress since it, so that
+                    # no token is counted twice (if the answer is still waiting, this one replaces
+                    # it and undercounts: the lesser error for a weight)
+                    counters = self.counters[frag.index]
+                    self.counters[frag.index] = [counters[0] - pending.counters[0], counters[1] - pending.counters[1]]
                     self._send(frag.index, step, 0)
         self.comm.training_done()
 
@@ -564,6 +576,15 @@ class DecoupledSync:
         self.events.emit("heal", step=step, fragments=fragments, reason=reason)
 
     # -- contributions and merges ---------------------------------------------------------
+
+    def _answered_lately(self, p: int, step: int) -> bool:
+        """Whether a request for ``p`` finds the previous answer's merge not yet applied, less
+        than H of this learner's steps after it was sent. The counters run from the last applied
+        merge, so answering would count that answer's steps again (a learner slower than the
+        fleet's pace is asked again before its merge comes back). An answer whose merge never
+        comes (lost in a synchronizer restart) holds the fragment back H steps at most."""
+        sent = self.sent.get(p)
+        return sent is not None and not self.learners_wait and step - sent.step < self.schedule.sync_every
 
     def _send(self, p: int, step: int, round_no: int) -> None:
         frag = self.layout[p]
