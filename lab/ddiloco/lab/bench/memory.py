@@ -10,8 +10,9 @@ rounds per fragment each answers the synchronizer's request for a fragment with 
 gradient in ``--codec`` (the learner's default, bf16_zstd). Learner 1 sends every other round
 against the version before the current one, so stale contributions are re-anchored against the
 versions the synchronizer retains (``--staleness-window``). Fragments are driven one after the
-other, as the fleet's staggered schedule does; the next round of a fragment starts once every
-learner's contribution to it has been answered.
+other, as the fleet's staggered schedule does; each contribution names the request it answers,
+the quorum is the whole fleet, and the next round of a fragment starts once every learner's
+contribution to it has been answered.
 
 Memory is read from ``/proc/PID/status`` of the synchronizer process (VmRSS, VmHWM, RssAnon,
 RssFile), and sampled every 20 ms throughout for the peak of anonymous memory: ``idle`` (serving,
@@ -210,12 +211,14 @@ class SyntheticLearner:
             del values
             await self.stream.send_transfer(chunks)
 
-    async def contribute(self, fragment: int, delta: torch.Tensor, base_version: int) -> int:
+    async def contribute(self, fragment: int, delta: torch.Tensor, base_version: int, round: int) -> int:
+        """Send an outer gradient answering the synchronizer's request ``round`` for ``fragment``."""
         seq = next(self.sequence)
         chunks = await asyncio.to_thread(
             encode_fragment, delta, self.layout[fragment], codec=self.codec, kind="contribution",
             version=base_version, transfer_id=next(self.transfer_ids), layout_hash=self.layout.fingerprint,
-            sequence=seq, tokens=4096, steps=self.protocol.sync_every, max_chunk_bytes=self.protocol.max_chunk_bytes)
+            sequence=seq, tokens=4096, steps=self.protocol.sync_every, round=round,
+            max_chunk_bytes=self.protocol.max_chunk_bytes)
         await self.stream.send_transfer(chunks)
         return seq
 
@@ -323,7 +326,8 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
                     stale = i == 1 and r % 2 == 1 and versions[p] > 0
                     counts["sent_stale"] += int(stale)
                     delta = noise[p].roll(97 * (r * len(learners) + i)).mul_(1e-3 * (1 + 0.25 * i))
-                    sends.append(learner.contribute(p, delta, versions[p] - 1 if stale else versions[p]))
+                    base = versions[p] - 1 if stale else versions[p]
+                    sends.append(learner.contribute(p, delta, base, learner.answered[p]))
                 seqs = await asyncio.gather(*sends)
                 for learner, seq in zip(learners, seqs, strict=True):
                     def answered(lr: SyntheticLearner = learner, s: int = seq) -> bool:
@@ -386,7 +390,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[F
     protocol_section = {"num_fragments": args.fragments} if args.fragments is not None else {}
     document = {
         "protocol": protocol_section,
-        "synchronizer": {"policy": {"quorum": 1, "grace_gamma": 0.5, "max_grace_s": 0.2},
+        # the quorum is the whole fleet: every round merges every learner's answer, so each round's
+        # results arrive whatever the relative speeds of the learners and the synchronizer
+        "synchronizer": {"policy": {"quorum": args.learners, "grace_gamma": 0.5, "max_grace_s": 0.2},
                          "staleness_window": args.staleness_window,
                          "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30.0},
     }
