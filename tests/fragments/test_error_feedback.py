@@ -119,3 +119,50 @@ def test_a_new_shape_drops_the_stale_residual() -> None:
     ef.encode(0, torch.randn(1000) * 0.01, Int8BlockCodec())
     fresh = torch.randn(10)
     assert torch.equal(ef.compensate(0, fresh), fresh)
+
+
+def _merged_error(codec, replaces: bool) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """A learner whose every other answer is superseded before its merge: the newer answer is
+    measured from the same base, so it holds the older one's progress and the receiver keeps only
+    it. Returns (|trained - merged| after the last merge, the last compensated values)."""
+    ef = ErrorFeedback()
+    deltas = _deltas(5)
+    trained = torch.zeros(N, dtype=torch.float64)
+    merged = torch.zeros(N, dtype=torch.float64)
+    since_base = torch.zeros(N)
+    compensated = deltas[0]
+    for i, delta in enumerate(deltas):
+        trained += delta.double()
+        since_base += delta
+        replacing = i % 2 == 1  # the answer of step i - 1 is still in the inbox: this one replaces it
+        compensated = ef.compensate(3, since_base, replaces=replacing and replaces)
+        _, sent = ef.encode(3, since_base, codec, replaces=replacing and replaces)
+        if replacing:  # merged: the receiver sums only this one; the next answers start from it
+            merged += sent.double()
+            since_base = torch.zeros(N)
+    return (trained - merged).abs(), compensated
+
+
+@pytest.mark.parametrize(("codec", "step_of"), CASES)
+def test_a_superseded_answer_leaves_no_residual_behind(codec, step_of) -> None:  # type: ignore[no-untyped-def]
+    error, last_compensated = _merged_error(codec, replaces=True)
+    assert bool((error <= step_of(last_compensated).double()).all())
+    # carrying the superseded answer's residual as well puts one rounding error per replacement
+    # into the model: the running error walks out of the bound
+    error_carried, last = _merged_error(codec, replaces=False)
+    assert float((error_carried / step_of(last).double()).max()) > 3.0
+    assert float(error_carried.mean()) > 3 * float(error.mean())
+
+
+def test_a_replacement_does_not_move_the_residual_it_starts_from() -> None:
+    codec = Int8BlockCodec(block_size=64)
+    ef = ErrorFeedback()
+    a, b, c = _deltas(6)[:3]
+    ef.encode(0, a, codec)
+    before_b = ef.compensate(0, torch.zeros(N))  # a's residual
+    ef.encode(0, b, codec)
+    ef.encode(0, c, codec, replaces=True)  # c replaces b: compensated with a's residual
+    ef.encode(0, c, codec, replaces=True)  # and a second replacement starts there again
+    assert torch.equal(ef.compensate(0, torch.zeros(N), replaces=True), before_b)
+    ef.reset(0)
+    assert torch.equal(ef.compensate(0, a, replaces=True), a)

@@ -499,7 +499,13 @@ class Comm:
     def _encode(self, out: Outgoing) -> bytes:
         if self.feedback is None:
             return self.codec.encode(out.delta)
-        payload, _ = self.feedback.encode(out.fragment, out.delta, self.codec)
+        with self._lock:
+            # an earlier answer for the same fragment and base, still unanswered, is superseded by
+            # this one at the synchronizer (it holds that one's progress): start from its residual
+            replaces = any(o.fragment == out.fragment and o.sequence < out.sequence and
+                           o.base_version == out.base_version and o.payload is not None
+                           for o in self._unacked.values())
+        payload, _ = self.feedback.encode(out.fragment, out.delta, self.codec, replaces=replaces)
         return payload
 
     def _count_result(self, msg: wire.ContributionResult) -> None:
