@@ -245,3 +245,21 @@ def test_a_learner_whose_weights_turn_nan_heals_and_contributes_again(tmp_path):
     assert merged_after, "it contributes again after healing"
     _no_merge_waited_on_a_stopped_learner(tmp_path, ["learner-0", "learner-1"])
     assert s["invariants"]["all_hold"], s["invariants"]
+
+
+def test_a_learner_that_inflates_its_tokens_is_refused_and_the_honest_ones_are_not(tmp_path):
+    # from its step 100 learner-1 claims 100x the tokens it trained (its outer gradients sound);
+    # the weight guard (on by default) refuses every such answer and nothing of the others'
+    s = _chaos_run(tmp_path, FaultPlan().inflate("learner-1", at_step=100), steps=500)
+    per = s["contributions"]["per_learner"]
+    assert per["learner-1"]["rejected_by_reason"].get("weight_outlier", 0) > 0, per["learner-1"]
+    for lid in ("learner-0", "learner-2"):
+        assert "weight_outlier" not in per[lid]["rejected_by_reason"], per[lid]
+        assert per[lid]["merged"] > 0
+    # every answer it sent after the fault was refused: none of its claims reached a merge
+    events = load_jsonl(tmp_path / "run" / "learners" / "learner-1.jsonl")
+    sends = {e["sequence"]: e for e in events if e["event"] == "send"}
+    results = [e for e in events if e["event"] == "result" and e["sequence"] in sends]
+    late = [r for r in results if sends[r["sequence"]]["step"] > 110]
+    assert late and all(r["outcome"] != "merged" for r in late), [r["outcome"] for r in late]
+    assert s["invariants"]["all_hold"], s["invariants"]

@@ -133,6 +133,9 @@ class LearnerConfig:
     corrupt_factor: float = 100.0
     """Fault injection (SIGUSR2, chaos kind corrupt): the factor every outer gradient sent is
     scaled by from then on, to test the synchronizer's norm guard."""
+    inflate_factor: float = 100.0
+    """Fault injection (SIGRTMIN, chaos kind inflate): the factor every answer's token count is
+    multiplied by from then on (its outer gradients stay sound), to test the weight guard."""
     token: str | None = None
     """Bearer token for the synchronizer, inline (local runs; deployments use token_file or
     $DDILOCO_TOKEN, so the token sits in neither a config map nor a command line)."""

@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: learner.poisoned.set())
     # ... and from the next send on, every outer gradient is scaled by corrupt_factor (a hostile learner)
     signal.signal(signal.SIGUSR2, lambda *_: learner.corrupted.set())
+    # ... and from the next send on, every answer claims inflate_factor times its tokens
+    signal.signal(signal.SIGRTMIN, lambda *_: learner.sync.inflated.set())
     try:
         summary = learner.run()
     except LearnerError as exc:

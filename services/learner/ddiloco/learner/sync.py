@@ -234,6 +234,8 @@ class DecoupledSync:
         self.blocked_s = 0.0
         self.joined = False
         self.corrupted = threading.Event()
+        self.inflated = threading.Event()
+        """Set by a chaos hook (SIGRTMIN): every answer claims inflate_factor times its tokens."""
         """Set by a chaos hook (SIGUSR2): every outer gradient sent is scaled by corrupt_factor."""
         self._pace = StepPace()
         self._last_end = 0.0
@@ -602,10 +604,13 @@ class DecoupledSync:
             return
         if self.corrupted.is_set():  # fault injection: a hostile learner (its own model stays sound)
             delta = delta * self.cfg.corrupt_factor
+        claimed = tokens
+        if self.inflated.is_set():  # fault injection: a learner that claims more than it trained
+            claimed = max(1, round(tokens * self.cfg.inflate_factor))
         seq = next(self.sequence)
-        self.comm.submit(Outgoing(p, seq, self.version[p], tokens, steps, step, delta, round=round_no))
+        self.comm.submit(Outgoing(p, seq, self.version[p], claimed, steps, step, delta, round=round_no))
         self._time("handoff", t0)
-        self.events.emit("send", step=step, fragment=p, sequence=seq, base_version=self.version[p], tokens=tokens,
+        self.events.emit("send", step=step, fragment=p, sequence=seq, base_version=self.version[p], tokens=claimed,
                          steps=steps, from_step=self.window_start[p], to_step=step, round=round_no)
         keep = current if self.cfg.apply_policy == "replay" else None
         self.sent[p] = SentState(step, (tokens, steps), self.version[p], keep)

@@ -193,11 +193,16 @@ class Engine:
                 await asyncio.wait_for(self._clock_event.wait(), timeout=timeout)
 
     def _ask(self, request: FragmentRequest) -> frozenset[str]:
-        """Send ``request`` to every live learner; the learners asked."""
-        live = self.membership.live_records(self.clock())
-        for rec in live:
-            rec.outbox.put_control(request)
-        return frozenset(rec.learner_id for rec in live)
+        """Send ``request`` to every learner still training; the live ones among them (a faulty
+        learner is asked as well, or it could never send the good answer that makes it live
+        again, but no round waits for it)."""
+        now, asked = self.clock(), []
+        for rec in self.membership.learners.values():
+            if self.membership.is_training(rec, now):
+                rec.outbox.put_control(request)
+                if not rec.faulty:
+                    asked.append(rec.learner_id)
+        return frozenset(asked)
 
     async def stop(self) -> None:
         """Finish any merge/commit in progress, then stop the rounds."""

@@ -100,8 +100,13 @@ class Membership:
             del self.learners[oldest.learner_id]
 
     def is_live(self, record: LearnerRecord, now: float) -> bool:
+        return self.is_training(record, now) and not record.faulty
+
+    def is_training(self, record: LearnerRecord, now: float) -> bool:
+        """Connected, heard from within the heartbeat timeout, and not done training: live, or
+        faulty (its last answer was refused for its content) and able to send a good one."""
         return (record.connected and now - record.last_seen <= self.heartbeat_timeout_s
-                and not record.training_done and not record.faulty)
+                and not record.training_done)
 
     def live_records(self, now: float) -> list[LearnerRecord]:
         return [r for r in self.learners.values() if self.is_live(r, now)]
