@@ -10,8 +10,9 @@ Decisions:
 - **The defaults are the system's defaults** (learner, protocol, synchronizer and the local
   run's data settings), so ``decoupled`` with no settings is what ``ddiloco run`` trains.
 - **Data sharding is a setting.** ``shards: 0`` gives each learner 1/M of the training data (as
-  the data-parallel reference, which samples all of it); ``ddiloco run`` splits the data into
-  the learner's ``num_shards`` (8) whatever the fleet's size, so 3 learners see 3/8 of it.
+  the data-parallel reference, which samples all of it, and as ``ddiloco run``, which starts its
+  learners with ``--num-shards M``); a deployment keeps the learner's ``num_shards`` (8 by
+  default) whatever the fleet's size, so 3 learners see 3/8 of it: ``shards: 8``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Case:
     """Sequences per learner step (dp: times M)."""
     shards: int = 0
     """Data shards the training tokens are split into; learner i samples shard i. 0: M (each
-    learner 1/M of the data); 8: as ``ddiloco run`` (the learners' default num_shards)."""
+    learner 1/M of the data, as ``ddiloco run``); 8: the learners' default num_shards, as a
+    deployment that leaves it alone."""
     inner_lr: float = 3e-3
     """Peak AdamW learning rate (warm-up, then cosine to ``min_lr_ratio`` of it)."""
     warmup_steps: int = 30

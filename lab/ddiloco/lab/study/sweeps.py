@@ -14,7 +14,7 @@ DP_LRS = ("1.5e-3", "3e-3", "4.5e-3", "6e-3", "9e-3", "1.2e-2")
 SWEEPS: dict[str, tuple[str, ...]] = {
     # the data-parallel reference's own learning rate, for its 3x larger batch
     "dp-lr": tuple(f"dp:inner_lr={lr}" for lr in DP_LRS),
-    # the defaults of each mode, and what the local run's data sharding changes
+    # the defaults of each mode, and what a deployment's data sharding (num_shards 8) changes
     "defaults": ("decoupled", "decoupled:shards=8", "diloco", "diloco:outer_momentum=0.9",
                  "decoupled:outer_momentum=0.9"),
     # decoupled's tuning, one setting at a time around the default (as many cases as dp-lr's
