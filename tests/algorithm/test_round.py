@@ -163,3 +163,22 @@ def test_one_staleness_rule() -> None:
 def test_participation_scale() -> None:
     assert participation_scale(1, 4) == 0.25 and participation_scale(4, 4) == 1.0
     assert participation_scale(3, 2) == 1.0 and participation_scale(1, 0) == 1.0
+
+
+def test_answers_to_a_request_that_did_not_merge_still_count_when_the_next_one_reopens_it() -> None:
+    """A fleet whose answers take longer to arrive than its rounds last: round 1 is asked, round 2
+    is asked before any answer came, then the answers to round 1 arrive. They answer this merge
+    (round 1 never merged), so they make its quorum; were only round 2's answers counted, every
+    request would find the answers to the one before late and the fragment would never merge."""
+    s = RoundState()
+    s.open(1.0, 1, waiting=False)
+    s.open(2.0, 2, waiting=False)
+    d = s.decide(2.5, [w("a", 5, 2.5, round_no=1)], 5, LIVE, TIMINGS, RULES)
+    assert s.quorum_at == 2.5 and not d.merge and d.wake_at == pytest.approx(3.5)
+    d = s.decide(2.6, [w("a", 5, 2.5, round_no=1), w("b", 5, 2.6, round_no=1), w("c", 5, 2.6, round_no=2)],
+                 5, LIVE, TIMINGS, RULES)
+    assert d.merge and d.reason == "all 3 live learners contributed"
+    s.close()
+    s.open(5.0, 3, waiting=True)
+    d = s.decide(5.1, [w("a", 5, 4.0, round_no=2)], 6, LIVE, TIMINGS, RULES)
+    assert s.quorum_at is None and not d.merge, "after the merge, an answer to round 2 is a leftover"

@@ -12,7 +12,8 @@ against the version before the current one, so stale contributions are re-anchor
 versions the synchronizer retains (``--staleness-window``). Fragments are driven one after the
 other, as the fleet's staggered schedule does; each contribution names the request it answers,
 the quorum is the whole fleet, and the next round of a fragment starts once every learner's
-contribution to it has been answered.
+contribution to it has been answered (a learner asked again before its answer made a quorum
+answers again, superseding the waiting one, as the learner service does).
 
 Memory is read from ``/proc/PID/status`` of the synchronizer process (VmRSS, VmHWM, RssAnon,
 RssFile), and sampled every 20 ms throughout for the peak of anonymous memory: ``idle`` (serving,
@@ -286,7 +287,8 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
                 raise RuntimeError(f"{learner.learner_id}: stream closed: {learner.closed}")
         return ok
 
-    counts = {"contributions": 0, "sent_stale": 0, "merged": 0, "merged_stale": 0, "rejected": 0, "superseded": 0}
+    counts = {"contributions": 0, "sent_stale": 0, "merged": 0, "merged_stale": 0, "rejected": 0, "superseded": 0,
+              "resent": 0}
     rss_by_round: list[float] = []
     try:
         first = learners[0]
@@ -321,21 +323,35 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
 
                     await _until(asked, check(learner), timeout_s, f"a request for fragment {p}")
                     learner.answered[p] = learner.requested[p]
-                sends = []
-                for i, learner in enumerate(learners):
+
+                async def answer(i: int, learner: SyntheticLearner, p: int = p,
+                                 r: int = r) -> wire.ContributionResult:
                     stale = i == 1 and r % 2 == 1 and versions[p] > 0
                     counts["sent_stale"] += int(stale)
                     delta = noise[p].roll(97 * (r * len(learners) + i)).mul_(1e-3 * (1 + 0.25 * i))
                     base = versions[p] - 1 if stale else versions[p]
-                    sends.append(learner.contribute(p, delta, base, learner.answered[p]))
-                seqs = await asyncio.gather(*sends)
-                for learner, seq in zip(learners, seqs, strict=True):
-                    def answered(lr: SyntheticLearner = learner, s: int = seq) -> bool:
-                        return s in lr.results
+                    seqs = [await learner.contribute(p, delta, base, learner.answered[p])]
+                    deadline = time.monotonic() + timeout_s
+                    while True:
+                        done = [learner.results[s] for s in seqs if s in learner.results
+                                and learner.results[s].outcome != "superseded"]
+                        if done:
+                            return done[0]
+                        check(learner)()
+                        if learner.requested.get(p, 0) > learner.answered[p] and len(seqs) < 4:
+                            # a newer round opened before this answer made its quorum (the fleet's
+                            # clock ran ahead of a slow machine): answer it again, as a learner
+                            # does; the newer answer supersedes the waiting one
+                            learner.answered[p] = learner.requested[p]
+                            counts["resent"] += 1
+                            seqs.append(await learner.contribute(p, delta, base, learner.answered[p]))
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"timed out after {timeout_s:g}s waiting for the result of "
+                                               f"{learner.learner_id}'s contribution to fragment {p}")
+                        await asyncio.sleep(0.005)
 
-                    await _until(answered, check(learner), timeout_s,
-                                 f"the result of {learner.learner_id}'s contribution to fragment {p}")
-                    result = learner.results[seq]
+                results = await asyncio.gather(*(answer(i, lr) for i, lr in enumerate(learners)))
+                for result in results:
                     counts["contributions"] += 1
                     if result.outcome == "merged":
                         counts["merged"] += 1
@@ -392,7 +408,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[F
         "protocol": protocol_section,
         # the quorum is the whole fleet: every round merges every learner's answer, so each round's
         # results arrive whatever the relative speeds of the learners and the synchronizer
-        "synchronizer": {"policy": {"quorum": args.learners, "grace_gamma": 0.5, "max_grace_s": 0.2},
+        # (what a quorum cannot gather, such as an answer sent again, merges after the timeout)
+        "synchronizer": {"policy": {"quorum": args.learners, "grace_gamma": 0.5, "max_grace_s": 0.2,
+                                    "timeout_s": 2.0},
                          "staleness_window": args.staleness_window,
                          "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30.0},
     }

@@ -18,10 +18,11 @@ Decisions, and why:
   ``ddiloco.core.modes`` for why).
 - **The quorum counts answers to the open round.** Each contribution carries the round of the
   request it answers (0: unsolicited, such as a learner's last progress as it finishes). Where
-  the synchronizer clocks rounds, K counts the contributions that answer the open round (and
-  unsolicited progress on the current version, such as a finishing learner's, and whatever waits
-  from a learner the request did not reach); a leftover (a late answer to an earlier round from a
-  learner that was asked again) still merges in this round, re-anchored where its base is older,
+  the synchronizer clocks rounds, K counts the contributions that answer the open round or an
+  earlier request of it that went unmerged (and unsolicited progress on the current version, such
+  as a finishing learner's, and whatever waits from a learner the request did not reach); a
+  leftover (a late answer to a round that already merged, from a learner that was asked again)
+  still merges in this round, re-anchored where its base is older,
   but never makes the quorum: with K = 1 a leftover would otherwise meet the quorum
   the moment the request goes out, the round's quorum time would read 0, and only the grace
   window would keep the fresh answers in. Where learners clock rounds, the answers are the
@@ -162,12 +163,19 @@ class RoundState:
     """When the contributions now waiting were first asked for (the merge timeout counts from it)."""
     asked: frozenset[str] | None = None
     """The learners the round's request reached (None: every one)."""
+    first: int = 0
+    """The first round requested since the last merge (0: none yet). An answer to it or to any
+    later one is an answer to this merge: a request that re-opens a round that did not merge
+    takes nothing from the answers to the one before, or a fleet whose answers take longer than
+    a round would never merge."""
 
     def open(self, now: float, round_no: int, *, waiting: bool, asked: frozenset[str] | None = None) -> None:
         """The fragment fell due and every live learner was asked for it (``waiting``: the inbox
         already holds contributions; ``asked``: the learners the request reached). A round whose
         quorum has latched keeps its grace deadline; any other starts counting from this request."""
         self.round, self.asked = round_no, asked
+        if not self.first or round_no < self.first:
+            self.first = round_no
         if self.quorum_at is None:
             self.opened_at = now
         if self.since is None or not waiting:
@@ -191,7 +199,8 @@ class RoundState:
         else:  # answers to this request, unsolicited progress on the current version, and the last
             # word of a learner this request did not reach (it was down when it went out)
             answered = frozenset(w.learner_id for w in waiting
-                                 if (self.round and w.round == self.round) or (w.round == 0 and w.base_version == version)
+                                 if (self.round and self.first <= w.round <= self.round)
+                                 or (w.round == 0 and w.base_version == version)
                                  or (self.asked is not None and w.learner_id not in self.asked))
         view = RoundView(self.opened_at, self.quorum_at, contributors, live, fresh, answered, self.since)
         if self.opened_at is not None and self.quorum_at is None and quorum_reached(view, rules.policy)[0]:
@@ -222,6 +231,7 @@ class RoundState:
         """The round merges: (opened_at, quorum_at) for the record; the next round starts empty."""
         opened = (self.opened_at, self.quorum_at)
         self.opened_at = self.quorum_at = self.since = None
+        self.first = 0
         return opened
 
     @property
