@@ -4,13 +4,14 @@ children of a process, and whether one has gone."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pathlib
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+
+from ddiloco.lab.cluster import wait_ready
 
 
 def cli(*args: str) -> list[str]:
@@ -33,14 +34,7 @@ def synchronizer(tmp_path: pathlib.Path, *args: str, timeout_s: float = 60.0,
     if started is not None:
         started.append(proc)
     try:
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"synchronizer exited with {proc.returncode} before listening")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"synchronizer did not listen within {timeout_s:g}s")
-            time.sleep(0.1)
-        yield f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+        yield f"127.0.0.1:{wait_ready(proc, ready, timeout_s)}"
     finally:
         if proc.poll() is None:
             proc.terminate()

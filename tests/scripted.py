@@ -120,9 +120,7 @@ class ScriptedLearner:
         p = self.protocol
         fields = dict(
             learner_id=self.learner_id, model_fingerprint=MODEL_FINGERPRINT, layout_hash=self.layout.fingerprint,
-            protocol=wire.ProtocolParams(num_fragments=p.num_fragments, sync_every=p.sync_every,
-                                         overlap=p.overlap, max_chunk_bytes=p.max_chunk_bytes, mode=p.mode,
-                                         global_codec=p.global_codec),
+            protocol=wire.ProtocolParams.from_config(p),
             incarnation=self.incarnation)
         fields.update(overrides)
         return wire.Hello(**fields)

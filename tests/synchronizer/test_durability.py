@@ -23,6 +23,7 @@ import zlib
 import pytest
 import torch
 
+from ddiloco.lab.cluster import wait_ready
 from ddiloco.synchronizer.store import FragmentRecord, StateStore
 from tests.scripted import ScriptedLearner, eventually, toy_protocol
 
@@ -101,17 +102,6 @@ def _start_synchronizer(state_dir: pathlib.Path, config: pathlib.Path, ready: pa
         stdout=subprocess.DEVNULL, stderr=open(state_dir.parent / "sync.log", "ab"), env=env)
 
 
-def _wait_ready(proc: subprocess.Popen, ready: pathlib.Path, timeout_s: float = 60) -> int:
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"synchronizer exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise AssertionError("synchronizer did not become ready")
-        time.sleep(0.05)
-    return json.loads(ready.read_text())["port"]
-
-
 async def _stream_contributions(learner: ScriptedLearner, versions: dict[int, int], stop: asyncio.Event) -> None:
     """Contribute to every fragment against the newest version this learner has seen."""
     from ddiloco.protocol.client import StreamClosed
@@ -143,7 +133,7 @@ async def test_synchronizer_sigkill_mid_run_resumes_with_monotonic_versions(tmp_
     proc = _start_synchronizer(state_dir, config, ready)
     learners: list[ScriptedLearner] = []
     try:
-        port = _wait_ready(proc, ready)
+        port = wait_ready(proc, ready, timeout_s=60)
         a, b = ScriptedLearner(port, "a"), ScriptedLearner(port, "b")
         await a.connect()
         await a.upload_genesis()
@@ -174,7 +164,7 @@ async def test_synchronizer_sigkill_mid_run_resumes_with_monotonic_versions(tmp_
         assert held, "learners saw no versions before the kill"
 
         proc = _start_synchronizer(state_dir, config, ready)
-        port = _wait_ready(proc, ready)
+        port = wait_ready(proc, ready, timeout_s=60)
         a2 = ScriptedLearner(port, "a")
         welcome = await a2.connect()
         learners = [a2]

@@ -30,6 +30,20 @@ def _cli() -> list[str]:
     return [sys.executable, "-m", "ddiloco.core.cli"]
 
 
+def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: float) -> int:
+    """The port of a synchronizer started with ``--ready-file READY``, once it serves (it writes
+    the file atomically then). Raises ``RuntimeError`` if ``proc`` exits first or ``timeout_s``
+    seconds pass."""
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"synchronizer exited with code {proc.returncode} before serving")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"synchronizer did not start serving within {timeout_s:g}s")
+        time.sleep(0.05)
+    return int(json.loads(ready.read_text())["port"])
+
+
 class LocalCluster:
     def __init__(self, out: pathlib.Path, cfg_path: pathlib.Path, *, learners: int, steps: int,
                  plan: FaultPlan | None = None, speeds: dict[str, float] | None = None) -> None:
@@ -74,14 +88,7 @@ class LocalCluster:
         proc = self._spawn("synchronizer", [
             *_cli(), "synchronizer", "--listen", listen, "--state-dir", str(self.out / "state"),
             "--config", str(self.cfg_path), "--event-log", str(self.out / "synchronizer.jsonl"), "--ready-file", str(ready)])
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"synchronizer exited with code {proc.returncode} before serving")
-            if time.monotonic() > deadline:
-                raise RuntimeError("synchronizer did not start serving in time")
-            time.sleep(0.05)
-        self.port = json.loads(ready.read_text())["port"]
+        self.port = wait_ready(proc, ready, timeout_s=120)
 
     @property
     def target(self) -> str:

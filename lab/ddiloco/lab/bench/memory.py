@@ -169,12 +169,9 @@ class SyntheticLearner:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def connect(self) -> wire.Welcome:
-        p = self.protocol
         hello = wire.Hello(
             learner_id=self.learner_id, model_fingerprint=MODEL_FINGERPRINT, layout_hash=self.layout.fingerprint,
-            protocol=wire.ProtocolParams(num_fragments=p.num_fragments, sync_every=p.sync_every, overlap=p.overlap,
-                                         max_chunk_bytes=p.max_chunk_bytes, mode=p.mode,
-                                         global_codec=p.global_codec),
+            protocol=wire.ProtocolParams.from_config(self.protocol),
             incarnation=1, software_version="bench-memory")
         welcome = await self.stream.open(hello)
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._beat())]

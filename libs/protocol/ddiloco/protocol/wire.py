@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -19,6 +19,9 @@ from ddiloco.fragments.errors import CodecError, HeaderError
 from ddiloco.fragments.partition import TensorSpec
 from ddiloco.v1 import synchronizer_pb2 as pb
 from ddiloco.v1 import synchronizer_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ddiloco.protocol.config import ProtocolConfig
 
 MalformedMessage = DecodeError
 """Raised while reading a stream whose bytes are not a protobuf message of the expected type."""
@@ -89,6 +92,13 @@ class ProtocolParams:
     max_chunk_bytes: int
     mode: str
     global_codec: str = "bf16_zstd"
+
+    @classmethod
+    def from_config(cls, cfg: ProtocolConfig) -> ProtocolParams:
+        """The protocol section of a config as sent in Hello and Welcome. Reads the fields by name
+        (this module does not import the config at run time), so any object with them will do."""
+        return cls(num_fragments=cfg.num_fragments, sync_every=cfg.sync_every, overlap=cfg.overlap,
+                   max_chunk_bytes=cfg.max_chunk_bytes, mode=cfg.mode, global_codec=cfg.global_codec)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -380,13 +380,9 @@ class Comm:
                 self.events.emit("disconnect", synchronizer_id=self.synchronizer_id)
 
     def _hello(self) -> wire.Hello:
-        p = self.cfg.protocol
         return wire.Hello(
             learner_id=self.learner_id, model_fingerprint=self.model_fingerprint,
-            layout_hash=self.layout.fingerprint,
-            protocol=wire.ProtocolParams(num_fragments=p.num_fragments, sync_every=p.sync_every, overlap=p.overlap,
-                                         max_chunk_bytes=p.max_chunk_bytes, mode=p.mode,
-                                         global_codec=p.global_codec),
+            layout_hash=self.layout.fingerprint, protocol=wire.ProtocolParams.from_config(self.cfg.protocol),
             held=self.held() if self.joined else {}, incarnation=self.incarnation,
             software_version=_version(), labels={**self.labels, "pid": str(os.getpid())})
 
@@ -430,6 +426,22 @@ class Comm:
             self.bytes_received += t.header.encoded_bytes
         return out
 
+    async def _fetch_resync(self, stream: SyncStream, fragments: tuple[int, ...], *, requeue: bool = False) -> None:
+        """Fetch the newest global version of ``fragments``, deliver each as a resync arrival and
+        drop its error-feedback residual. ``requeue``: if the fetch fails, the fragments are wanted
+        again, to be fetched on the next session."""
+        try:
+            fetched = await self._fetch(stream, fragments, resync=True)
+        except BaseException:
+            if requeue:
+                with self._lock:
+                    self._resync_wanted.update(fragments)
+            raise
+        for a in fetched.values():
+            self._deliver(a)
+            if self.feedback is not None:
+                self.feedback.reset(a.fragment)
+
     def _deliver(self, arrival: Arrival) -> None:
         with self._lock:
             cur = self._arrivals.get(arrival.fragment)
@@ -460,16 +472,7 @@ class Comm:
             with self._lock:
                 wanted, self._resync_wanted = self._resync_wanted, set()
             if wanted:
-                try:
-                    fetched = await self._fetch(stream, tuple(sorted(wanted)), resync=True)
-                except BaseException:
-                    with self._lock:  # fetched on the next session
-                        self._resync_wanted.update(wanted)
-                    raise
-                for a in fetched.values():
-                    self._deliver(a)
-                    if self.feedback is not None:
-                        self.feedback.reset(a.fragment)
+                await self._fetch_resync(stream, tuple(sorted(wanted)), requeue=True)
                 continue
             with self._lock:
                 out = None
@@ -537,10 +540,7 @@ class Comm:
                     self.feedback.reset(msg.fragment_id)
             elif isinstance(msg, wire.Resync):
                 self.log.warning("resync requested", fragments=msg.fragment_ids, reason=msg.reason)
-                for a in (await self._fetch(stream, msg.fragment_ids, resync=True)).values():
-                    self._deliver(a)
-                    if self.feedback is not None:
-                        self.feedback.reset(a.fragment)
+                await self._fetch_resync(stream, msg.fragment_ids)
             elif isinstance(msg, wire.Drain):
                 self.log.info("drain requested", reason=msg.reason)
                 self.draining.set()

@@ -241,9 +241,7 @@ class Engine:
         self._sync_time.update(sync_time_s)
 
     def protocol_params(self) -> ProtocolParams:
-        p = self.cfg.protocol
-        return ProtocolParams(num_fragments=p.num_fragments, sync_every=p.sync_every, overlap=p.overlap,
-                              max_chunk_bytes=p.max_chunk_bytes, mode=p.mode, global_codec=p.global_codec)
+        return ProtocolParams.from_config(self.cfg.protocol)
 
     def publish(self, transfer: GlobalTransfer) -> None:
         """A committed version: cache it for FetchState and queue it to every connected learner."""
