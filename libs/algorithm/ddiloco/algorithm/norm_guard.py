@@ -45,11 +45,17 @@ class NormGuardPolicy:
     """Norms a fragment must have seen before the guard acts."""
 
     def __post_init__(self) -> None:
-        if not self.factor > 1.0 or not math.isfinite(self.factor):
-            raise ValueError(f"norm guard factor must be a finite number > 1, got {self.factor}")
-        if self.window < 1 or not 1 <= self.min_history <= self.window:
-            raise ValueError(f"norm guard needs window >= 1 and 1 <= min_history <= window, "
-                             f"got window={self.window}, min_history={self.min_history}")
+        check_median_bound("norm guard", self.factor, self.window, self.min_history)
+
+
+def check_median_bound(name: str, factor: float, window: int, min_history: int) -> None:
+    """The settings of a guard that bounds a value by ``factor`` times the median of the last
+    ``window`` accepted ones, acting once ``min_history`` are known (the norm and weight guards)."""
+    if not factor > 1.0 or not math.isfinite(factor):
+        raise ValueError(f"{name} factor must be a finite number > 1, got {factor}")
+    if window < 1 or not 1 <= min_history <= window:
+        raise ValueError(f"{name} needs window >= 1 and 1 <= min_history <= window, "
+                         f"got window={window}, min_history={min_history}")
 
 
 @dataclass(frozen=True)

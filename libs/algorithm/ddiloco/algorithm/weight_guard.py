@@ -17,7 +17,6 @@ history. Until ``min_history`` answers are known the guard only records.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Literal
 
 from pydantic.dataclasses import dataclass as config_dataclass
 
+from ddiloco.algorithm.norm_guard import check_median_bound
 from ddiloco.core.config import STRICT
 
 
@@ -45,11 +45,7 @@ class WeightGuardPolicy:
     """Answers the fleet must have given before the guard acts."""
 
     def __post_init__(self) -> None:
-        if not self.factor > 1.0 or not math.isfinite(self.factor):
-            raise ValueError(f"weight guard factor must be a finite number > 1, got {self.factor}")
-        if self.window < 1 or not 1 <= self.min_history <= self.window:
-            raise ValueError(f"weight guard needs window >= 1 and 1 <= min_history <= window, "
-                             f"got window={self.window}, min_history={self.min_history}")
+        check_median_bound("weight guard", self.factor, self.window, self.min_history)
 
 
 @dataclass(frozen=True)
