@@ -6,7 +6,8 @@ the tuned one (the best inner learning rate among the saved ``dp`` cases of that
 report prints markdown tables, writes them to ``<out>/report.md`` with the plots beside them:
 
 - ``frontier.png``: eval-loss gap to tuned dp against bytes per token (log scale), one point a
-  case at the default budget, so settings that buy quality with bytes stand apart from free ones;
+  decoupled case at the default budget that changes only what trades bytes for quality (the sync
+  period, fragments, overlap, codecs, error feedback), a line per codec through its sync periods;
 - ``trends.png``: the default decoupled run's gap against tokens, model size and learners;
 - ``curves.png``: eval loss against tokens of tuned dp and of the decoupled cases of the default
   budget's best and default settings.
@@ -157,13 +158,24 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
     written = []
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    frontier = [r for r in rows if budget(r) == default_budget and r["vs_tuned_dp"] is not None]
+    frontier = [r for r in rows if budget(r) == default_budget and r["vs_tuned_dp"] is not None
+                and r["mode"] == "decoupled" and _bandwidth_point(r)]
+    colours = {"bf16_zstd": "tab:blue", "int4_block": "tab:orange", "int2_block": "tab:green", "fp32": "tab:grey",
+               "int8_block": "tab:purple"}
+    for codec, colour in colours.items():
+        base = DEFAULTS["decoupled"].settings()
+        line = sorted((r for r in frontier if r["codec"] == codec and r["fragments"] == r["sync_every"]
+                       and r["overlap"] == base["overlap"] and r["global_codec"] == base["global_codec"]
+                       and r["error_feedback"] == base["error_feedback"]), key=lambda r: r["bytes_per_token"])
+        if len(line) > 1:
+            periods = ", ".join(str(r["sync_every"]) for r in line)
+            ax.plot([r["bytes_per_token"] for r in line], [100 * r["vs_tuned_dp"] for r in line], "-", color=colour,
+                    lw=0.8, label=f"{codec}, H = P = {periods}")
     for r in frontier:
-        colour = {"bf16_zstd": "tab:blue", "int4_block": "tab:orange", "int2_block": "tab:green",
-                  "fp32": "tab:grey", "int8_block": "tab:purple"}[r["codec"]]
-        ax.scatter(r["bytes_per_token"], 100 * r["vs_tuned_dp"], color=colour, s=18)
-        ax.annotate(_changes(r), (r["bytes_per_token"], 100 * r["vs_tuned_dp"]), fontsize=6,
-                    xytext=(3, 2), textcoords="offset points")
+        ax.scatter(r["bytes_per_token"], 100 * r["vs_tuned_dp"], color=colours[r["codec"]], s=18)
+        ax.annotate(_changes(r).replace("fragments_", "P").replace("sync_every_", "H").replace(", codec_", " "),
+                    (r["bytes_per_token"], 100 * r["vs_tuned_dp"]), fontsize=6, xytext=(3, 2),
+                    textcoords="offset points")
     ref = refs.get(default_budget)
     dp_bytes = next((r["bytes_per_token"] for r in results if r["mode"] == "dp" and budget(r) == default_budget), None)
     if ref and dp_bytes:
@@ -176,7 +188,7 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
     ax.set_xscale("log")
     ax.set_xlabel("bytes per token trained (learners -> synchronizer and back)")
     ax.set_ylabel("eval loss above tuned dp (%)")
-    ax.set_title("Quality against bandwidth (3 learners x 600 steps; blue bf16, orange int4, green int2)")
+    ax.set_title("Quality against bandwidth (decoupled, 3 learners x 600 steps, seed 0)")
     ax.legend(fontsize=7)
     written.append(_save(fig, folder / "frontier.png"))
 
@@ -213,6 +225,16 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
         ax.legend()
     written.append(_save(fig, folder / "curves.png"))
     return written
+
+
+BANDWIDTH = ("sync_every", "fragments", "overlap", "codec", "global_codec", "error_feedback")
+"""The settings that trade bytes for quality: the frontier plots the cases that change only these."""
+
+
+def _bandwidth_point(r: dict[str, Any]) -> bool:
+    settings = {k: r[k] for k in Case.__dataclass_fields__}
+    base = DEFAULTS[r["mode"]].settings()
+    return all(settings[k] == base[k] for k in settings if k not in (*BANDWIDTH, "mode"))
 
 
 def _trend_point(r: dict[str, Any], key: str) -> bool:
