@@ -111,7 +111,10 @@ def test_a_claimed_case_is_skipped_and_a_dead_workers_claim_is_taken_over(tmp_pa
 def test_a_result_of_other_settings_is_refused_and_kept(tmp_path, capsys) -> None:
     case = parse_case("dp", steps=4)
     path = tmp_path / f"{case.id}.json"
-    path.write_text(json.dumps({**case.settings(), "inner_lr": 1.0, "final_eval_loss": 9.0}))
+    # settings that no longer make a case (a setting since removed): refused, left where it is
+    saved = {**case.settings(), "inner_lr": 1.0, "final_eval_loss": 9.0}
+    del saved["warmup_steps"]
+    path.write_text(json.dumps(saved))
     with pytest.raises(ResultsError, match="other settings"):
         Results(tmp_path).get(case)
     assert main(["quality", "--cases", "dp", "--steps", "4", "--out", str(tmp_path)]) == 1
@@ -157,3 +160,20 @@ def test_the_command(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "study", "quality", "--cases", "dp:inner_lr=x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "inner_lr takes a float" in proc.stderr
+
+
+def test_results_are_renamed_to_the_ids_their_settings_have_under_todays_defaults(tmp_path) -> None:
+    """A default changed: the old default's result is named by what now differs, and its old name
+    is free for the new default's result."""
+    old_default = parse_case("decoupled", warmup_steps=45, **SMALL)
+    misnamed = tmp_path / f"{parse_case('decoupled', **SMALL).id}.json"
+    misnamed.write_text(json.dumps({**old_default.settings(), "final_eval_loss": 2.5}))
+    taken = parse_case("dp", inner_lr=2e-3, **SMALL)
+    (tmp_path / f"{taken.id}.json").write_text(json.dumps({**taken.settings(), "final_eval_loss": 2.0}))
+    (tmp_path / "dp-elsewhere.json").write_text(json.dumps({**taken.settings(), "final_eval_loss": 2.1}))
+    moved = Results(tmp_path).reindex()
+    assert moved == [(misnamed, tmp_path / f"{old_default.id}.json")]
+    assert "warmup_steps_45" in old_default.id and not misnamed.exists()
+    assert Results(tmp_path).get(old_default)["final_eval_loss"] == 2.5
+    assert Results(tmp_path).get(parse_case("decoupled", **SMALL)) is None
+    assert (tmp_path / "dp-elsewhere.json").exists(), "a name already taken is left alone"

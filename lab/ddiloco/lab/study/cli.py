@@ -99,6 +99,8 @@ def _quality(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     results = Results(args.out)
+    for old, new in results.reindex():
+        print(f"renamed {old.name} -> {new.name} (a default changed)")
     if args.list:
         for case in cases:
             try:

@@ -129,7 +129,10 @@ def _seed_groups(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]
 
 def report(out: str, docs: str | None = None) -> int:
     folder = pathlib.Path(out)
-    results = Results(folder).all()
+    store = Results(folder)
+    for old, new in store.reindex():
+        print(f"renamed {old.name} -> {new.name} (a default changed)")
+    results = store.all()
     if not results:
         print(f"no results in {folder}")
         return 1

@@ -10,6 +10,10 @@ Decisions:
   (a killed worker) is taken over, so nothing stays claimed for ever.
 - **A result computed under other settings is never reused**: a file whose settings differ (a
   default changed since) is reported and left alone, not overwritten, until it is moved away.
+- **Names follow the defaults.** A case's id names only what differs from the defaults, so when a
+  default changes, ``reindex`` renames every result to the id its own settings have now (the old
+  default's result becomes ``decoupled-warmup_steps_30...``, freeing ``decoupled.json`` for the
+  new default); both study commands run it first. A name already taken is left alone and reported.
 """
 
 from __future__ import annotations
@@ -60,6 +64,23 @@ class Results:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         return path
+
+    def reindex(self) -> list[tuple[pathlib.Path, pathlib.Path]]:
+        """Rename each result whose file name is not the id of its settings under today's defaults;
+        returns the (old, new) paths renamed. A result whose settings no longer make a case (a
+        setting since removed) or whose new name is taken stays where it is."""
+        moved = []
+        for path in sorted(self.folder.glob("*.json")):
+            try:
+                saved = json.loads(path.read_text())
+                case = Case(**{k: saved[k] for k in Case.__dataclass_fields__})
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            target = self.path(case)
+            if target != path and not target.exists():
+                os.replace(path, target)
+                moved.append((path, target))
+        return moved
 
     def all(self) -> list[dict[str, Any]]:
         """Every saved result (damaged files are skipped by the caller's choice: they raise)."""
