@@ -171,9 +171,14 @@ def test_results_are_renamed_to_the_ids_their_settings_have_under_todays_default
     taken = parse_case("dp", inner_lr=2e-3, **SMALL)
     (tmp_path / f"{taken.id}.json").write_text(json.dumps({**taken.settings(), "final_eval_loss": 2.0}))
     (tmp_path / "dp-elsewhere.json").write_text(json.dumps({**taken.settings(), "final_eval_loss": 2.1}))
+    # and the new default's result, saved under the name it had before the change, waits for
+    # the old default's name to be freed
+    new_default = parse_case("decoupled", **SMALL)
+    waiting = tmp_path / "decoupled-zz-before-the-change.json"
+    waiting.write_text(json.dumps({**new_default.settings(), "final_eval_loss": 2.4}))
     moved = Results(tmp_path).reindex()
-    assert moved == [(misnamed, tmp_path / f"{old_default.id}.json")]
-    assert "warmup_steps_45" in old_default.id and not misnamed.exists()
+    assert moved == [(misnamed, tmp_path / f"{old_default.id}.json"), (waiting, misnamed)]
+    assert "warmup_steps_45" in old_default.id
     assert Results(tmp_path).get(old_default)["final_eval_loss"] == 2.5
-    assert Results(tmp_path).get(parse_case("decoupled", **SMALL)) is None
+    assert Results(tmp_path).get(new_default)["final_eval_loss"] == 2.4
     assert (tmp_path / "dp-elsewhere.json").exists(), "a name already taken is left alone"

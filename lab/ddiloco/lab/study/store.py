@@ -69,18 +69,21 @@ class Results:
         """Rename each result whose file name is not the id of its settings under today's defaults;
         returns the (old, new) paths renamed. A result whose settings no longer make a case (a
         setting since removed) or whose new name is taken stays where it is."""
-        moved = []
-        for path in sorted(self.folder.glob("*.json")):
-            try:
-                saved = json.loads(path.read_text())
-                case = Case(**{k: saved[k] for k in Case.__dataclass_fields__})
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            target = self.path(case)
-            if target != path and not target.exists():
-                os.replace(path, target)
-                moved.append((path, target))
-        return moved
+        moved: list[tuple[pathlib.Path, pathlib.Path]] = []
+        while True:  # a name freed by one rename may be the target of another: until nothing moves
+            before = len(moved)
+            for path in sorted(self.folder.glob("*.json")):
+                try:
+                    saved = json.loads(path.read_text())
+                    case = Case(**{k: saved[k] for k in Case.__dataclass_fields__})
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+                target = self.path(case)
+                if target != path and not target.exists():
+                    os.replace(path, target)
+                    moved.append((path, target))
+            if len(moved) == before:
+                return moved
 
     def all(self) -> list[dict[str, Any]]:
         """Every saved result (damaged files are skipped by the caller's choice: they raise)."""
