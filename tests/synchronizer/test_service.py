@@ -134,7 +134,7 @@ async def test_quorum_k_of_m_waits_for_k_then_grace(tmp_path):
 async def test_grace_admits_a_late_learner_and_excludes_a_later_one_which_is_anchored(tmp_path, anchor, scaled):
     # grace = clamp(0.9 * (tau=1 * step 1.5 s - quorum time ~0 - sync), 0, 5) ~ 1.35 s
     cfg = sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.9, max_grace_s=5.0),
-                      outer_lr=0.7, outer_momentum=0.9, stale_anchor=anchor,
+                      outer_lr=0.7, outer_momentum=0.9, outer_momentum_warmup=0, stale_anchor=anchor,
                       scale_by_participation=scaled, event_log=str(tmp_path / "synchronizer.jsonl"))
     async with running_server(cfg) as server:
         a, b, c = await _ready(server, "a", "b", "c", step_time_s=1.5)

@@ -55,7 +55,7 @@ class Case:
     deployment that leaves it alone."""
     inner_lr: float = 3e-3
     """Peak AdamW learning rate (warm-up, then cosine to ``min_lr_ratio`` of it)."""
-    warmup_steps: int = 30
+    warmup_steps: int = 60
     """Linear warm-up steps of the inner schedule."""
     min_lr_ratio: float = 0.1
     """Floor of the inner cosine as a share of the peak."""
@@ -79,7 +79,7 @@ class Case:
     """Outer learning rate over the run: constant, cosine or linear decay to ``outer_lr_min``."""
     outer_lr_min: float = 0.1
     """End of the outer decay as a share of ``outer_lr``."""
-    momentum_warmup: int = 0
+    momentum_warmup: int = 8
     """Outer steps (per fragment) over which the momentum ramps linearly from 0."""
     merge: str = "rda"
     """Per-tensor merge: rda or mean."""
@@ -176,7 +176,7 @@ def _short(value: Any) -> str:
     return str(value)
 
 
-DEFAULTS = {"dp": Case(mode="dp"), "decoupled": Case(),
+DEFAULTS = {"dp": Case(mode="dp", momentum_warmup=0), "decoupled": Case(),
             "diloco": Case(mode="diloco", fragments=1, overlap=0)}
 
 

@@ -35,26 +35,29 @@ def budget(result: dict[str, Any]) -> tuple:
 
 
 def references(results: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """budget -> {"default": dp loss at the default inner lr (or None), "tuned": best dp loss,
-    "tuned_lr": its inner lr}."""
-    dp_default_lr = DEFAULTS["dp"].inner_lr
+    """budget -> {"default": dp loss at the default inner lr and warm-up (or None), "tuned": best dp
+    loss over its inner lr and warm-up, "tuned_lr": its inner lr, "tuned_warmup": its warm-up}."""
+    dp = DEFAULTS["dp"]
     out: dict[tuple, dict[str, Any]] = {}
     for r in results:
         if r["mode"] != "dp" or not _dp_plain(r):
             continue
-        ref = out.setdefault(budget(r), {"default": None, "tuned": math.inf, "tuned_lr": None, "lrs": {}})
-        ref["lrs"][r["inner_lr"]] = r["final_eval_loss"]
-        if r["inner_lr"] == dp_default_lr:
+        ref = out.setdefault(budget(r), {"default": None, "tuned": math.inf, "tuned_lr": None, "tuned_warmup": None,
+                                         "lrs": {}})
+        ref["lrs"][r["inner_lr"]] = min(r["final_eval_loss"], ref["lrs"].get(r["inner_lr"], math.inf))
+        if r["inner_lr"] == dp.inner_lr and r["warmup_steps"] == dp.warmup_steps:
             ref["default"] = r["final_eval_loss"]
         if r["final_eval_loss"] < ref["tuned"]:
-            ref["tuned"], ref["tuned_lr"] = r["final_eval_loss"], r["inner_lr"]
+            ref["tuned"], ref["tuned_lr"], ref["tuned_warmup"] = r["final_eval_loss"], r["inner_lr"], r["warmup_steps"]
     return out
 
 
 def _dp_plain(r: dict[str, Any]) -> bool:
-    """A dp case that differs from dp's defaults at most in its budget and inner lr."""
+    """A dp case that differs from dp's defaults at most in its budget, inner lr and warm-up (what
+    dp is tuned over)."""
     base = DEFAULTS["dp"].settings()
-    return all(r.get(k) == v for k, v in base.items() if k not in (*BUDGET, "inner_lr", "mode", "curve_points"))
+    return all(r.get(k) == v for k, v in base.items()
+               if k not in (*BUDGET, "inner_lr", "warmup_steps", "mode", "curve_points"))
 
 
 def annotate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -87,14 +90,14 @@ def _changes(r: dict[str, Any]) -> str:
 
 def tables(results: list[dict[str, Any]]) -> str:
     refs = references(results)
-    lines = ["## Data-parallel reference (inner learning rate)", "",
+    lines = ["## Data-parallel reference (inner learning rate; each cell the best over the warm-ups tried)", "",
              "| learners | steps | model | seed | " + " | ".join(f"lr {lr:g}" for lr in _all_lrs(refs)) + " | tuned |",
              "|---|---|---|---|" + "---|" * (len(_all_lrs(refs)) + 1)]
     for key, ref in sorted(refs.items()):
         m, steps, _, model, seed, _ = key
         cells = [f"{ref['lrs'][lr]:.4f}" if lr in ref["lrs"] else "" for lr in _all_lrs(refs)]
         lines.append(f"| {m} | {steps} | {model} | {seed} | " + " | ".join(cells) +
-                     f" | {ref['tuned']:.4f} (lr {ref['tuned_lr']:g}) |")
+                     f" | {ref['tuned']:.4f} (lr {ref['tuned_lr']:g}, warm-up {ref['tuned_warmup']}) |")
     lines += ["", "## Every other case", "",
               "| mode | settings | learners | steps | model | seed | eval loss | vs dp | vs tuned dp | B/token | "
               "final from learners' mean |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -215,7 +218,8 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
     for r in results:
         if budget(r) != default_budget or not r.get("curve"):
             continue
-        is_tuned_dp = r["mode"] == "dp" and ref is not None and r["inner_lr"] == ref["tuned_lr"]
+        is_tuned_dp = (r["mode"] == "dp" and ref is not None and r["inner_lr"] == ref["tuned_lr"]
+                       and r["warmup_steps"] == ref["tuned_warmup"] and _dp_plain(r))
         is_default = r["mode"] in ("decoupled", "diloco") and Case(**{k: r[k] for k in Case.__dataclass_fields__}).id \
             in ("decoupled", "diloco")
         if is_tuned_dp or is_default:
