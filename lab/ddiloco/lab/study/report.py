@@ -164,37 +164,41 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
     written = []
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    frontier = [r for r in rows if budget(r) == default_budget and r["vs_tuned_dp"] is not None
-                and r["mode"] == "decoupled" and _bandwidth_point(r)]
+    frontier = _frontier([r for r in rows if budget(r) == default_budget and r["vs_tuned_dp"] is not None
+                          and r["mode"] == "decoupled"])
     colours = {"bf16_zstd": "tab:blue", "int4_block": "tab:orange", "int2_block": "tab:green", "fp32": "tab:grey",
                "int8_block": "tab:purple"}
     for codec, colour in colours.items():
         base = DEFAULTS["decoupled"].settings()
         line = sorted((r for r in frontier if r["codec"] == codec and r["fragments"] == r["sync_every"]
-                       and r["overlap"] == base["overlap"] and r["global_codec"] == base["global_codec"]
-                       and r["error_feedback"] == base["error_feedback"]), key=lambda r: r["bytes_per_token"])
+                       and r["overlap"] == min(base["overlap"], r["sync_every"] - 1)
+                       and r["global_codec"] == base["global_codec"] and r["error_feedback"] == base["error_feedback"]),
+                      key=lambda r: r["bytes_per_token"])
         if len(line) > 1:
             periods = ", ".join(str(r["sync_every"]) for r in line)
             ax.plot([r["bytes_per_token"] for r in line], [100 * r["vs_tuned_dp"] for r in line], "-", color=colour,
                     lw=0.8, label=f"{codec}, H = P = {periods}")
     for r in frontier:
         ax.scatter(r["bytes_per_token"], 100 * r["vs_tuned_dp"], color=colours[r["codec"]], s=18)
-        ax.annotate(_changes(r).replace("fragments_", "P").replace("sync_every_", "H").replace(", codec_", " "),
+        ax.annotate(_bandwidth_label(r),
                     (r["bytes_per_token"], 100 * r["vs_tuned_dp"]), fontsize=6, xytext=(3, 2),
                     textcoords="offset points")
     ref = refs.get(default_budget)
     dp_bytes = next((r["bytes_per_token"] for r in results if r["mode"] == "dp" and budget(r) == default_budget), None)
     if ref and dp_bytes:
         ax.scatter(dp_bytes, 0, color="black", marker="*", s=80, label="tuned dp (ring all-reduce, fp32)")
-    default = next((r for r in frontier if _changes(r) == "(defaults)" and r["mode"] == "decoupled"), None)
+    default = next((r for r in frontier if _bandwidth_label(r) == "defaults"), None)
     if default:
-        ax.axvline(default["bytes_per_token"], color="grey", lw=0.8, ls="--", label="today's default bytes/token")
+        ax.axvline(default["bytes_per_token"], color="grey", lw=0.8, ls="--", label="the default's bytes/token")
     ax.axhline(0, color="black", lw=0.6)
     ax.axhline(3, color="tab:red", lw=0.6, ls=":", label="3% target")
     ax.set_xscale("log")
     ax.set_xlabel("bytes per token trained (learners -> synchronizer and back)")
     ax.set_ylabel("eval loss above tuned dp (%)")
-    ax.set_title("Quality against bandwidth (decoupled, 3 learners x 600 steps, seed 0)")
+    others = _changes({**frontier[0], **{k: DEFAULTS["decoupled"].settings()[k] for k in BANDWIDTH}}) \
+        if frontier else ""
+    ax.set_title("Quality against bandwidth (decoupled, 3 learners x 600 steps, seed 0"
+                 + ("" if others in ("", "(defaults)") else f"; {others}") + ")", fontsize=9)
     ax.legend(fontsize=7)
     written.append(_save(fig, folder / "frontier.png"))
 
@@ -238,10 +242,23 @@ BANDWIDTH = ("sync_every", "fragments", "overlap", "codec", "global_codec", "err
 """The settings that trade bytes for quality: the frontier plots the cases that change only these."""
 
 
-def _bandwidth_point(r: dict[str, Any]) -> bool:
-    settings = {k: r[k] for k in Case.__dataclass_fields__}
-    base = DEFAULTS[r["mode"]].settings()
-    return all(settings[k] == base[k] for k in settings if k not in (*BANDWIDTH, "mode"))
+def _bandwidth_label(r: dict[str, Any]) -> str:
+    """What a frontier point changes of the bandwidth settings (H, P, tau, codecs, feedback)."""
+    base = DEFAULTS["decoupled"].settings()
+    short = {"sync_every": "H", "fragments": "P", "overlap": "tau", "codec": "", "global_codec": "global ",
+             "error_feedback": "feedback "}
+    parts = [f"{short[k]}{r[k]}" for k in BANDWIDTH if r[k] != base[k]]
+    return " ".join(parts) or "defaults"
+
+
+def _frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cases that differ from each other only in what trades bytes for quality: of the groups
+    that share every other setting, the largest (the frontier sweep, around the defaults it ran
+    at)."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[tuple(r[k] for k in Case.__dataclass_fields__ if k not in BANDWIDTH)].append(r)
+    return max(groups.values(), key=len, default=[])
 
 
 def _trend_point(r: dict[str, Any], key: str) -> bool:
