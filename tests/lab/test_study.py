@@ -156,7 +156,7 @@ def test_the_command(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "study", "quality", "--sweep", "frontier",
                            "--list", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "decoupled-fragments_6-sync_every_6-codec_int2_block" in proc.stdout
+    assert "decoupled-warmup_steps_30-fragments_6-sync_every_6-codec_int2_block-momentum_warmup_0" in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "study", "quality", "--cases", "dp:inner_lr=x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "inner_lr takes a float" in proc.stderr
