@@ -36,7 +36,7 @@ SWEEPS: dict[str, tuple[str, ...]] = {
     # what each mechanism contributes, one at a time against the default
     "ablations": tuple(f"decoupled:{STAGE1}:{change}" for change in (
         "merge=mean", "apply=overwrite", "apply=mix", "codec=fp32", "global_codec=fp32", "error_feedback=off",
-        "overlap=0", "overlap=6", "late=1", "fragments=6", "fragments=1:overlap=0")),
+        "overlap=0", "overlap=6", "late=1", "fragments=6", "fragments=1:overlap=0", "token_weights=off")),
     # quality against bytes: the sync period H against the contributions' codec
     "frontier": tuple(f"decoupled:{STAGE1}:sync_every={h}:fragments={h}:overlap={min(2, h - 1)}:codec={codec}"
                       for h in (6, 12, 24, 48) for codec in ("bf16_zstd", "int4_block", "int2_block")),
