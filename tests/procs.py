@@ -88,3 +88,22 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_tree(args: list[str], *, timeout: float, input: str | None = None, **popen: object) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a command that starts processes of its own (``ddiloco run``, the
+    benchmarks): it runs in a session of its own, and when ``timeout`` passes the whole session is
+    killed before ``TimeoutExpired`` is raised, so no learner or synchronizer it started outlives
+    the test. ``capture_output`` and ``text`` as ``subprocess.run`` takes them."""
+    if popen.pop("capture_output", False):
+        popen["stdout"] = popen["stderr"] = subprocess.PIPE
+    proc = subprocess.Popen(args, start_new_session=True, stdin=subprocess.PIPE if input is not None else None,
+                            **popen)  # type: ignore[call-overload]
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)

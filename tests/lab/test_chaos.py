@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ import pytest
 
 from ddiloco.lab.chaos import ChaosDriver, FaultPlan, parse_seconds
 from ddiloco.lab.event_logs import load_jsonl
+from tests.procs import run_tree
 
 STEP_S = 0.02
 """The floor under every inner step of these runs: 50 steps a second at most."""
@@ -51,9 +51,9 @@ def _chaos_run(tmp_path: pathlib.Path, plan: FaultPlan, *, steps: int, learners:
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(plan.to_dict()))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
-                           "--no-progress", "--learners", str(learners), "--steps", str(steps), "--chaos",
-                           str(plan_path), *extra], capture_output=True, text=True, timeout=600)
+    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
+                     "--no-progress", "--learners", str(learners), "--steps", str(steps), "--chaos",
+                     str(plan_path), *extra], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert len(s["faults_injected"]) == len(plan.events)

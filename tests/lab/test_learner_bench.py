@@ -14,12 +14,12 @@ import pytest
 
 from ddiloco.core.resources import available_cpus, with_huge_pages
 from ddiloco.lab.bench import learner as learner_bench
-from tests.procs import children_of, cmdline
+from tests.procs import children_of, cmdline, run_tree
 
 
 def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "learner", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "learner", *args],
+                    capture_output=True, text=True, timeout=timeout)
 
 
 def test_tiny_run_reports_overhead_and_phases(tmp_path):
@@ -147,10 +147,10 @@ def test_a_failed_neighbour_check_ends_the_benchmark_with_a_message(tmp_path):
     work, out = tmp_path / "work", tmp_path / "learner.json"
     script = ("import sys; from ddiloco.lab.bench import learner as b; b._BUSY = 'raise SystemExit(3)'; "
               "sys.exit(b.main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", script, "--pin", "--threads", "1", "--huge-pages", "off",
-                           "--d-model", "32", "--n-layer", "2", "--context", "32", "--batch-size", "4",
-                           "--steps", "4", "--warmup", "1", "--repeats", "1", "--workdir", str(work),
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    proc = run_tree([sys.executable, "-c", script, "--pin", "--threads", "1", "--huge-pages", "off",
+                     "--d-model", "32", "--n-layer", "2", "--context", "32", "--batch-size", "4",
+                     "--steps", "4", "--warmup", "1", "--repeats", "1", "--workdir", str(work),
+                     "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("ddiloco bench learner: the neighbour check's busy loop")
     assert "Traceback" not in proc.stderr and not out.exists()

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from ddiloco.lab.bench import memory as memory_bench
+from tests.procs import run_tree
 
 
 def test_small_run_reports_bytes_per_param(tmp_path):
     out, work = tmp_path / "memory.json", tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "memory", "--params", "1500000",
-                           "--fragments", "4", "--rounds", "3", "--settle-s", "0.3", "--json", "--out", str(out),
-                           "--workdir", str(work)], capture_output=True, text=True, timeout=120)
+    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "memory", "--params", "1500000",
+                     "--fragments", "4", "--rounds", "3", "--settle-s", "0.3", "--json", "--out", str(out),
+                     "--workdir", str(work)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)
     assert r == json.loads(out.read_text())

@@ -67,3 +67,23 @@ def test_free_port_is_a_bindable_loopback_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
     assert 0 < port < 65536
+
+
+def test_a_command_that_outlives_its_timeout_is_killed_with_every_process_it_started(tmp_path):
+    """The tests' ``run_tree``: a command whose child would outlive it (as a benchmark's
+    synchronizer outlives a benchmark killed by a plain ``subprocess.run`` timeout) loses both."""
+    import pytest
+
+    from tests.procs import gone, run_tree
+
+    pid_file = tmp_path / "child.pid"
+    parent = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(120)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_tree([sys.executable, "-c", parent], timeout=5, capture_output=True, text=True)
+    child = int(pid_file.read_text())
+    assert gone(child, within_s=10), "the child of a timed-out command was left running"
+    done = run_tree([sys.executable, "-c", "print('hi')"], timeout=30, capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "hi\n")

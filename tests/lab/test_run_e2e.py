@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from ddiloco.lab.event_logs import load_jsonl
-from tests.procs import children_of, gone
+from tests.procs import children_of, gone, run_tree
 
 TINY = """
 protocol: {num_fragments: 4, sync_every: 8, overlap: 2}
@@ -38,8 +38,8 @@ def _run(tmp_path: pathlib.Path, *args: str, extra: str = "", name: str = "run")
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(TINY + extra)
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
-                           "--no-progress", *args], capture_output=True, text=True, timeout=240)
+    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
+                     "--no-progress", *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     summary["_out"] = out
@@ -128,9 +128,9 @@ def test_baseline_run_dir_is_reported_beside_the_run_and_mismatches_are_refused(
                           (["--steps", "40", "--seed", "3"], "seed 0 (this run: 3)"),
                           (["--steps", "40", "--mode", "diloco"], "mode 'decoupled'")):
         out = tmp_path / "refused"
-        proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
-                               "--no-progress", "--learners", "2", *args, "--baseline", str(base["_out"])],
-                              capture_output=True, text=True, timeout=60)
+        proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
+                         "--no-progress", "--learners", "2", *args, "--baseline", str(base["_out"])],
+                        capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert not out.exists(), "a refused run must not start"
     proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--baseline", str(tmp_path / "nowhere")],

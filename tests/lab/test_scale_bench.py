@@ -5,7 +5,6 @@ refused before any run starts."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import yaml
 
 from ddiloco.lab.bench import scale as scale_bench
 from ddiloco.lab.event_logs import load_jsonl
+from tests.procs import run_tree
 
 TINY = """
 protocol: {num_fragments: 4, sync_every: 8, overlap: 2}
@@ -27,9 +27,9 @@ synchronizer: {policy: {quorum: 1, grace_gamma: 0.5, max_grace_s: 1.0}, heartbea
 def test_fleets_and_alone_run_and_are_measured_in_one_run(tmp_path):
     cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
     cfg.write_text(TINY)
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
-                           "--learners", "2,1", "--steps", "24", "--workdir", str(work), "--out", str(out),
-                           "--json"], capture_output=True, text=True, timeout=300)
+    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
+                     "--learners", "2,1", "--steps", "24", "--workdir", str(work), "--out", str(out),
+                     "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)
     assert r == json.loads(out.read_text())
@@ -94,9 +94,9 @@ def test_a_run_without_steps_is_an_error_not_a_zero(tmp_path):
 def test_a_point_past_its_timeout_is_stopped_and_reported(tmp_path):
     cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
     cfg.write_text(TINY)
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
-                           "--learners", "1", "--steps", "100000", "--timeout", "2", "--workdir", str(work),
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
+                     "--learners", "1", "--steps", "100000", "--timeout", "2", "--workdir", str(work),
+                     "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "alone timed out after 2 s" in proc.stderr and str(work) in proc.stderr
     assert not out.exists()  # no results from a run that did not finish

@@ -16,6 +16,7 @@ import pytest
 
 from ddiloco.lab.bench import cli
 from ddiloco.lab.bench import torchft as tft
+from tests.procs import run_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,11 +100,11 @@ def test_tiny_torchft_overhead_run_leaves_nothing_running(tmp_path):
     installs); skipped only in an environment without it."""
     pytest.importorskip("torchft", exc_type=ImportError)
     out, work = tmp_path / "r.json", tmp_path / "work"
-    proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "torchft", "--json", "--out", str(out),
-                           "--workdir", str(work), "--scenarios", "overhead", "--systems", "torchft",
-                           "--d-model", "32", "--n-layer", "2", "--context", "32", "--batch-size", "4",
-                           "--steps", "8", "--warmup", "2", "--repeats", "1", "--max-s", "60"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "torchft", "--json", "--out", str(out),
+                     "--workdir", str(work), "--scenarios", "overhead", "--systems", "torchft",
+                     "--d-model", "32", "--n-layer", "2", "--context", "32", "--batch-size", "4",
+                     "--steps", "8", "--warmup", "2", "--repeats", "1", "--max-s", "60"],
+                    capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result == json.loads(proc.stdout) and result["errors"] == {}

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ddiloco.core.resources import THP_TUNABLE
-from tests.procs import children_of, cmdline, cpu_seconds, gone
+from tests.procs import children_of, cmdline, cpu_seconds, gone, run_tree
 
 
 def _env(tunables: str | None = None) -> dict[str, str]:
@@ -25,8 +25,8 @@ def _env(tunables: str | None = None) -> dict[str, str]:
 
 
 def _bench(*args: str, tunables: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "bench", "wire", *args],
-                          capture_output=True, text=True, timeout=300, env=_env(tunables))
+    return run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "wire", *args],
+                    capture_output=True, text=True, timeout=300, env=_env(tunables))
 
 
 def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
