@@ -8,13 +8,16 @@ is evaluated every 20 s outside the learners (``global_eval.jsonl``), so eval lo
 time compares the modes at equal wall-clock budgets: the decoupled run's wall time is the budget,
 and each mode's loss at it is read off its curve (the last evaluation at or before it).
 
-Each mode's run folder is kept and skipped when its ``summary.json`` exists, so the study resumes.
+Each mode's run folder is kept and skipped when its ``summary.json`` exists (or, for a mode stopped
+at its wall-clock cap, ``capped.json``), so the study resumes; a folder cut short is run again.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import shutil
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -23,6 +26,10 @@ from ddiloco.lab.chaos import FaultPlan
 from ddiloco.lab.event_logs import load_jsonl
 
 MODES = ("decoupled", "streaming", "diloco")
+CAP_FACTOR = 1.5
+"""The modes that wait for merges can stall for a merge timeout after each fault; each is stopped
+at 1.5x the decoupled run's wall time (+60 s), well past the budget its loss is read at."""
+CAPPED = "capped.json"
 
 
 def fault_plan() -> FaultPlan:
@@ -40,12 +47,31 @@ def run_modes(out: pathlib.Path, *, steps: int, seed: int, modes: tuple[str, ...
         if (folder / "summary.json").exists():
             print(f"{mode}: saved ({folder})", flush=True)
             continue
-        print(f"{mode}: running ddiloco run --mode {mode} --chaos {plan}", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--mode", mode, "--steps", str(steps),
-                               "--seed", str(seed), "--chaos", str(plan), "--out", str(folder), "--no-progress"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if (folder / CAPPED).exists():
+            print(f"{mode}: stopped at its wall-clock cap earlier ({folder})", flush=True)
+            continue
+        if folder.exists():  # a run cut short (the study was stopped): start it over
+            shutil.rmtree(folder)
+        cap = None if mode == "decoupled" else CAP_FACTOR * curve(out / "decoupled")[-1][0] + 60.0
+        print(f"{mode}: running ddiloco run --mode {mode} --chaos {plan}"
+              + ("" if cap is None else f" (stopped after {cap:.0f} s at most)"), flush=True)
+        proc = subprocess.Popen([sys.executable, "-m", "ddiloco.core.cli", "run", "--mode", mode, "--steps",
+                                 str(steps), "--seed", str(seed), "--chaos", str(plan), "--out", str(folder),
+                                 "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=cap)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # the run stops every process it started
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            (folder / CAPPED).write_text(json.dumps({"cap_s": cap}) + "\n")
+            print(f"{mode}: stopped at its cap ({cap:.0f} s); its curve up to there is what counts", flush=True)
+            continue
         if proc.returncode != 0:
-            raise RuntimeError(f"ddiloco run --mode {mode} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            raise RuntimeError(f"ddiloco run --mode {mode} failed ({proc.returncode}): {err[-2000:]}")
     return summarise(out, modes)
 
 
@@ -61,9 +87,12 @@ def summarise(out: pathlib.Path, modes: tuple[str, ...] = MODES) -> dict[str, An
     budget = curves["decoupled"][-1][0]
     rows = {}
     for mode in modes:
-        s = json.loads((out / mode / "summary.json").read_text())
+        summary = out / mode / "summary.json"
+        # a run stopped at its cap has no summary: its curve is what it reached
+        s = json.loads(summary.read_text()) if summary.exists() else {
+            "final_eval_loss": None, "wall_s": curves[mode][-1][0], "capped": True}
         at_budget = [loss for t, loss in curves[mode] if t <= budget + 1e-6]
-        rows[mode] = {"final_eval_loss": s["final_eval_loss"], "wall_s": s["wall_s"],
+        rows[mode] = {"final_eval_loss": s["final_eval_loss"], "wall_s": s["wall_s"], "capped": s.get("capped", False),
                       "loss_at_budget": at_budget[-1] if at_budget else None,
                       "learner_goodput": s.get("learner_goodput"), "global_downtime_s": s.get("global_downtime_s"),
                       "max_merge_gap_s": s.get("max_merge_gap_s"),
@@ -75,7 +104,8 @@ def summarise(out: pathlib.Path, modes: tuple[str, ...] = MODES) -> dict[str, An
     print(f"{'mode':>10} {'loss at budget':>15} {'final loss':>11} {'wall s':>7} {'goodput':>8} {'downtime s':>11}")
     for mode, r in rows.items():
         at = "-" if r["loss_at_budget"] is None else f"{r['loss_at_budget']:.4f}"
-        print(f"{mode:>10} {at:>15} {r['final_eval_loss']:>11.4f} {r['wall_s']:>7.0f} "
+        final = "(capped)" if r["final_eval_loss"] is None else f"{r['final_eval_loss']:.4f}"
+        print(f"{mode:>10} {at:>15} {final:>11} {r['wall_s']:>7.0f} "
               f"{(r['learner_goodput'] or 0):>8.3f} {(r['global_downtime_s'] or 0):>11.1f}")
     return result
 
