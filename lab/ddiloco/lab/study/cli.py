@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", default="study-results/faults", help="results folder (default study-results/faults)")
     f.add_argument("--steps", type=int, default=600, help="inner steps per learner (default 600)")
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--config", default=None, help="a config file every mode's ddiloco run gets (as its --config)")
     r = sub.add_parser("report", help="tables and plots of the saved results")
     r.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     r.add_argument("--docs", default="", help="also write the report's PNG plots into this folder")
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from ddiloco.lab.study.faults import run_modes
 
-        run_modes(pathlib.Path(args.out), steps=args.steps, seed=args.seed)
+        if args.config is not None and not pathlib.Path(args.config).is_file():
+            f.error(f"--config: no such file: {args.config}")
+        run_modes(pathlib.Path(args.out), steps=args.steps, seed=args.seed, config=args.config)
         return 0
     if args.command == "report":
         from ddiloco.lab.study.report import report

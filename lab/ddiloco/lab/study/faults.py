@@ -38,7 +38,8 @@ def fault_plan() -> FaultPlan:
             .kill_synchronizer(at_s=150, restart_after_s=5))
 
 
-def run_modes(out: pathlib.Path, *, steps: int, seed: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+def run_modes(out: pathlib.Path, *, steps: int, seed: int, modes: tuple[str, ...] = MODES,
+              config: str | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     plan = out / "plan.json"
     plan.write_text(json.dumps(fault_plan().to_dict(), indent=1))
@@ -57,7 +58,8 @@ def run_modes(out: pathlib.Path, *, steps: int, seed: int, modes: tuple[str, ...
               + ("" if cap is None else f" (stopped after {cap:.0f} s at most)"), flush=True)
         proc = subprocess.Popen([sys.executable, "-m", "ddiloco.core.cli", "run", "--mode", mode, "--steps",
                                  str(steps), "--seed", str(seed), "--chaos", str(plan), "--out", str(folder),
-                                 "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                 "--no-progress", *(["--config", config] if config else [])],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             _, err = proc.communicate(timeout=cap)
         except subprocess.TimeoutExpired:
