@@ -48,7 +48,10 @@ SWEEPS: dict[str, tuple[str, ...]] = {
     # the first stage's gains together, and the tuning knob dp gets as well
     "combos": (f"decoupled:{STAGE1}:overlap=1", "decoupled", "decoupled:apply=overwrite", "decoupled:overlap=1",
                "decoupled:outer_momentum=0.7", f"decoupled:{STAGE1}:inner_lr=4.5e-3:outer_lr=0.5",
-               "dp:inner_lr=6e-3", "dp:inner_lr=6e-3:seed=1", "dp:inner_lr=6e-3:seed=2"),
+               "dp:inner_lr=6e-3", "dp:inner_lr=6e-3:seed=1", "dp:inner_lr=6e-3:seed=2",
+               # dp's best lr gained 2.8% from the longer warm-up: decoupled's lr and both warm-ups again
+               "decoupled:inner_lr=4.5e-3", "decoupled:warmup_steps=120", "dp:inner_lr=6e-3:warmup_steps=120",
+               "dp:inner_lr=9e-3"),
     # the gap against the budget: 3x and 9x the tokens (dp's lr swept again at 3x), and against
     # the fleet: one learner (DiLoCo with M = 1 against dp on the same batch of 16)
     "tokens": (f"dp:{DP1}:steps=1800:inner_lr=6e-3", f"decoupled:{STAGE1}:steps=1800", f"diloco:{STAGE1}:steps=1800",
