@@ -107,8 +107,9 @@ def summarise(out: pathlib.Path, modes: tuple[str, ...] = MODES) -> dict[str, An
     for mode, r in rows.items():
         at = "-" if r["loss_at_budget"] is None else f"{r['loss_at_budget']:.4f}"
         final = "(capped)" if r["final_eval_loss"] is None else f"{r['final_eval_loss']:.4f}"
-        print(f"{mode:>10} {at:>15} {final:>11} {r['wall_s']:>7.0f} "
-              f"{(r['learner_goodput'] or 0):>8.3f} {(r['global_downtime_s'] or 0):>11.1f}")
+        goodput = "-" if r["learner_goodput"] is None else f"{r['learner_goodput']:.3f}"
+        downtime = "-" if r["global_downtime_s"] is None else f"{r['global_downtime_s']:.1f}"
+        print(f"{mode:>10} {at:>15} {final:>11} {r['wall_s']:>7.0f} {goodput:>8} {downtime:>11}")
     return result
 
 
