@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from ddiloco.algorithm.fleet_clock import fleet_progress
 from ddiloco.learner.config import TrainConfig
 from ddiloco.learner.inner_loop import lr_at
-from ddiloco.learner.service import fleet_progress
 from tests.procs import synchronizer
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ddiloco.algorithm.learner_fragment import LearnerFragment
 from ddiloco.algorithm.merge import embedding_mask, merge_deltas, reanchor
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
 from ddiloco.algorithm.policies import token_weights
@@ -42,7 +43,6 @@ from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.lab.study.case import CONTEXT, Case
-from ddiloco.learner.apply import apply_global, counters_after_apply
 from ddiloco.learner.config import TrainConfig
 from ddiloco.learner.data import DataConfig, TokenShard, eval_batches, load_corpus, shard_generator
 from ddiloco.learner.inner_loop import InnerLoop, evaluate
@@ -128,14 +128,6 @@ class _DataParallel:
 
 
 @dataclass
-class _Sent:
-    step: int
-    counters: tuple[int, int]
-    base_version: int
-    values: torch.Tensor | None
-
-
-@dataclass
 class _Learner:
     """One learner's training state and its per-fragment protocol state (``DecoupledSync``'s)."""
 
@@ -143,10 +135,7 @@ class _Learner:
     shard: TokenShard
     gen: torch.Generator
     params: dict[str, torch.Tensor]
-    base: list[torch.Tensor]
-    version: list[int]
-    counters: list[list[int]]
-    sent: dict[int, _Sent] = field(default_factory=dict)
+    frags: list[LearnerFragment]
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
     held: dict[int, tuple[torch.Tensor, int, tuple[int, int]]] = field(default_factory=dict)
     """late learners: fragment -> (sent values, base version, counters) waiting for the next round."""
@@ -182,8 +171,7 @@ class _Fleet:
                 inner=InnerLoop(model, train, self.device),
                 shard=TokenShard(corpus.train, i, case.data_shards),
                 gen=shard_generator(case.seed, i),
-                params=params, base=[g.clone() for g in genesis], version=[0] * case.fragments,
-                counters=[[0, 0] for _ in range(case.fragments)]))
+                params=params, frags=[LearnerFragment(p, g.clone()) for p, g in enumerate(genesis)]))
         self.arrivals: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         """step after which to apply -> [(fragment, version, decoded values)]"""
         self.bytes_up = self.bytes_down = 0
@@ -213,9 +201,8 @@ class _Fleet:
         case = self.case
         for learner in self.learners:
             learner.inner.step(*learner.shard.sample_batch(learner.gen, case.batch_size, CONTEXT))
-            for c in learner.counters:
-                c[0] += self.tokens_per_step
-                c[1] += 1
+            for frag in learner.frags:
+                frag.trained(self.tokens_per_step)
         for p in self.schedule.due(step):
             rows = [row for i, learner in enumerate(self.learners)
                     if (row := self._contribution(learner, p, step, late=i < case.late)) is not None]
@@ -232,7 +219,7 @@ class _Fleet:
         per fragment (the arrivals still due are never applied: training is over)."""
         step = self.case.steps
         for p in range(self.case.fragments):
-            rows = [row for learner in self.learners if (learner.sent.get(p) is None or learner.sent[p].step != step)
+            rows = [row for learner in self.learners if learner.frags[p].hand_over(step)
                     and (row := self._contribution(learner, p, step, late=False)) is not None]
             rows += [self._release(learner, p) for learner in self.learners if p in learner.held]
             if rows:
@@ -244,21 +231,21 @@ class _Fleet:
                       ) -> tuple[torch.Tensor, int, tuple[int, int]] | None:
         """What ``learner`` sends for fragment ``p`` (values as decoded, base version, counters);
         a late learner's previous one instead (its new one waits for the next round)."""
-        tokens, steps = learner.counters[p]
+        state = learner.frags[p]
+        tokens, steps = state.counters
         if steps == 0:
             return None
         frag = self.layout[p]
         current = gather(frag, learner.params)
-        delta = outer_gradient(learner.base[p], current)
+        delta = outer_gradient(state.base, current)
         if self.case.error_feedback:
             payload, sent = learner.feedback.encode(p, delta, self.codec)
         else:
             payload = self.codec.encode(delta)
             sent = self.codec.decode(payload, delta.numel())
         self.bytes_up += len(payload)
-        learner.sent[p] = _Sent(step, (tokens, steps), learner.version[p],
-                                current if self.case.apply == "replay" else None)
-        row = (sent, learner.version[p], (tokens, steps))
+        state.send(step, current, keep_values=self.case.apply == "replay")
+        row = (sent, state.version, (tokens, steps))
         if not late:
             return row
         previous = self._release(learner, p) if p in learner.held else None
@@ -269,19 +256,11 @@ class _Fleet:
         return learner.held.pop(p)
 
     def _apply(self, learner: _Learner, p: int, version: int, values: torch.Tensor, step: int) -> None:
-        if version <= learner.version[p]:
-            return
         frag = self.layout[p]
-        sent = learner.sent.pop(p, None)
-        local = gather(frag, learner.params)
-        reference = sent.values if (sent is not None and sent.values is not None) else learner.base[p]
-        new = apply_global(self.case.apply, local=local, global_=values, reference=reference,
-                           alpha=self.case.mix_alpha)
-        scatter(frag, new, learner.params)
-        learner.base[p] = values
-        learner.version[p] = version
-        now = (learner.counters[p][0], learner.counters[p][1])
-        learner.counters[p] = list(counters_after_apply(self.case.apply, now, sent.counters if sent else None))
+        new = learner.frags[p].apply(self.case.apply, local=gather(frag, learner.params), values=values,
+                                     version=version, step=step, alpha=self.case.mix_alpha)
+        if new is not None:
+            scatter(frag, new, learner.params)
 
     # -- synchronizer side --------------------------------------------------------------------
 

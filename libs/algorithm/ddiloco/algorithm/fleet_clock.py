@@ -28,6 +28,15 @@ from collections.abc import Iterable
 from ddiloco.fragments.schedule import FragmentSchedule
 
 
+def fleet_progress(fleet_step: int, versions: dict[int, int], sync_every: int, steps: int) -> int:
+    """The step a learner joining a fleet that is already training starts after: the further of
+    the synchronizer's fleet step (its clock; it starts again from 0 when the synchronizer
+    restarts) and the durable progress in the fragments' versions (each version is one round of
+    ``sync_every`` steps; the least advanced fragment counts), at most ``steps``."""
+    durable = min(versions.values(), default=0) * sync_every
+    return max(0, min(steps, max(int(fleet_step), durable)))
+
+
 def fleet_pace(step_times_s: Iterable[float], quorum: int) -> float | None:
     """Seconds per fleet step: the K-th smallest positive step time (K = quorum; 0: the largest),
     None when nobody has reported one."""

@@ -24,7 +24,6 @@ from ddiloco.protocol.config import ProtocolConfig
 from ddiloco.protocol.credentials import Credentials, read_token
 
 ApplyPolicy = Literal["overwrite", "mix", "replay"]
-APPLY_POLICIES: tuple[str, ...] = ("overwrite", "mix", "replay")
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)

@@ -27,6 +27,31 @@ class LearnerMetrics:
         self._bytes_seen = (0, 0)
         self.connected = Gauge("ddiloco_learner_connected", "1 while the Sync stream is up", registry=r)
 
+    def observe(self, event: str, fields: dict) -> None:
+        """An event-log observer: the counters that follow from the learner's events."""
+        if event == "result":
+            self.contributions.labels(fields.get("outcome", "")).inc()
+        elif event == "dropped":
+            self.contributions.labels("dropped").inc()
+        elif event == "send":
+            self.contributions.labels("sent").inc()
+        elif event == "apply":
+            self.applies.inc()
+        elif event in ("connect", "disconnect"):
+            self.connected.set(1 if event == "connect" else 0)
+
+    def stepped(self, tokens: int, loss: float | None, blocked_s: float, tokens_per_s: float,
+                sent_total: int, received_total: int) -> None:
+        """One inner step: ``tokens`` trained on, its ``loss``, ``blocked_s`` waiting for merges,
+        the recent throughput, and the communication thread's byte totals."""
+        self.steps.inc()
+        self.tokens.inc(tokens)
+        if loss is not None:
+            self.loss.set(loss)
+        self.blocked.inc(blocked_s)
+        self.tokens_per_s.set(tokens_per_s)
+        self.count_bytes(sent_total, received_total)
+
     def count_bytes(self, sent_total: int, received_total: int) -> None:
         """Bring the byte counters up to the communication thread's running totals."""
         sent, received = self._bytes_seen

@@ -31,7 +31,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
 from ddiloco.learner.inner_loop import InnerLoop, resolve_device
 from ddiloco.learner.model import build_model, model_fingerprint, num_params
-from ddiloco.learner.sync import DecoupledSync, SyncError, fleet_progress
+from ddiloco.learner.sync import DecoupledSync, SyncError
 
 
 class LearnerError(SyncError):
@@ -152,4 +152,4 @@ class Learner:
         return loss
 
 
-__all__ = ["Learner", "LearnerError", "fleet_progress"]
+__all__ = ["Learner", "LearnerError"]
