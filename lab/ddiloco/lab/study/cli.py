@@ -68,8 +68,8 @@ def _quality(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ddiloco.lab.study.sweeps import SWEEPS, expand
 
     if args.list_sweeps:
-        for name, specs in SWEEPS.items():
-            print(f"{name:<10} {len(specs):>3} cases: {', '.join(specs)}")
+        for name, sweep in SWEEPS.items():
+            print(f"{name:<10} {len(sweep):>3} cases: {', '.join(sweep)}")
         return 0
     base: dict[str, Any] = {}
     if args.steps is not None:
@@ -91,10 +91,11 @@ def _quality(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     specs += [c for c in args.cases.split(",") if c.strip()]
     if not specs:
         parser.error("nothing to run: give --sweep NAME or --cases SPECS (--list-sweeps lists the sweeps)")
+    seed_list: list[int | None] = [*seeds] if seeds else [None]
     cases = []
     try:
         for spec in specs:
-            for seed in seeds or [None]:
+            for seed in seed_list:
                 extra = {**base, **({"seed": seed} if seed is not None else {})}
                 case = parse_case(spec, **extra)
                 if case not in cases:

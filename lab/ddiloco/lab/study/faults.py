@@ -91,7 +91,7 @@ def summarise(out: pathlib.Path, modes: tuple[str, ...] = MODES) -> dict[str, An
     for mode in modes:
         summary = out / mode / "summary.json"
         # a run stopped at its cap has no summary: its curve is what it reached
-        s = json.loads(summary.read_text()) if summary.exists() else {
+        s: dict[str, Any] = json.loads(summary.read_text()) if summary.exists() else {
             "final_eval_loss": None, "wall_s": curves[mode][-1][0], "capped": True}
         at_budget = [loss for t, loss in curves[mode] if t <= budget + 1e-6]
         rows[mode] = {"final_eval_loss": s["final_eval_loss"], "wall_s": s["wall_s"], "capped": s.get("capped", False),
@@ -124,6 +124,8 @@ def _plot(curves: dict[str, list[tuple[float, float]]], budget: float, path: pat
         ax.plot([t for t, _ in points], [loss for _, loss in points], "o-", ms=3, label=mode)
     plan = fault_plan()
     for e in plan.events:
+        if e.at_s is None:
+            continue
         ax.axvline(e.at_s, color="grey", lw=0.6, ls=":")
         ax.annotate(e.kind.replace("_", " "), (e.at_s, 0.98), xycoords=("data", "axes fraction"), fontsize=7,
                     rotation=90, va="top")

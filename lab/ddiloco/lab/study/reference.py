@@ -166,7 +166,7 @@ class _Fleet:
         self.learners: list[_Learner] = []
         for i in range(case.learners):
             model = build_model(model_cfg, case.seed)
-            params = dict(model.named_parameters())
+            params: dict[str, torch.Tensor] = dict(model.named_parameters())
             self.learners.append(_Learner(
                 inner=InnerLoop(model, train, self.device),
                 shard=TokenShard(corpus.train, i, case.data_shards),
