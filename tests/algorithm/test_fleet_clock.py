@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
+from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace, last_merged_step
 from ddiloco.fragments.schedule import FragmentSchedule
 
 SCHEDULE = FragmentSchedule(num_fragments=4, sync_every=4, overlap=1)  # offsets 0, 1, 2, 3
@@ -65,3 +65,15 @@ def test_a_jump_opens_each_fragment_once_with_its_newest_round() -> None:
     fast = FleetClock(SCHEDULE, now=0.0)
     fast.set_pace(0.0, 1e-300)  # a pace nobody can have: still one request per fragment per call
     assert len(fast.due(1.0)) == 4
+
+
+def test_last_merged_step_is_the_due_step_of_the_newest_round():
+    schedule = FragmentSchedule(num_fragments=24, sync_every=24, overlap=2)
+    assert last_merged_step({}, schedule) == 0
+    assert last_merged_step({p: 0 for p in range(24)}, schedule) == 0
+    # fragment p (p >= 1) first falls due at step p, fragment 0 at step 24; version v is the v-th
+    versions = {0: 8, 1: 9, 2: 9, 3: 9, 4: 9, **{p: 8 for p in range(5, 24)}}
+    assert last_merged_step(versions, schedule) == 4 + 8 * 24  # fragment 4's 9th round: the fleet is past 196
+    assert last_merged_step({0: 1}, schedule) == 24
+    # a learner that starts here answers fragment 5 next, the round the fleet waits on
+    assert schedule.due(last_merged_step(versions, schedule) + 1) == [5]

@@ -265,3 +265,25 @@ def test_a_learner_that_inflates_its_tokens_is_refused_and_the_honest_ones_are_n
     late = [r for r in results if sends[r["sequence"]]["t"] > injected + 1.0]
     assert late and all(r["outcome"] != "merged" for r in late), [r["outcome"] for r in late]
     assert s["invariants"]["all_hold"], s["invariants"]
+
+
+def test_a_restarted_learner_rejoins_a_streaming_fleet_in_phase(tmp_path):
+    # Streaming: learners send each fragment at their own due steps and wait for its merge, and a
+    # round waits for every live learner. A learner restarting behind the fleet's last merged round
+    # answered rounds that had merged already and then waited for their next merge, which the others
+    # reach only after rounds waiting for its answers: a deadlock until the merge timeout (found in
+    # a 3-learner run: merges waited the full 120 s). It now starts after the fleet's last merged
+    # round. The timeout is cut to 20 s here; no round after the restart may come near it.
+    config = TINY.replace("max_grace_s: 1.0}", "max_grace_s: 1.0, timeout_s: 20.0}")
+    s = _chaos_run(tmp_path, FaultPlan().kill("learner-1", at_step=100, restart_after_s=2), steps=600,
+                   extra=("--mode", "streaming"), config=config)
+    restarted = s["invariants"]["restarted_learners"]["learner-1"]
+    assert restarted and restarted[0]["contributed_again"], restarted
+    starts = [e for e in load_jsonl(tmp_path / "run" / "learners" / "learner-1.jsonl") if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["start_step"] > 0
+    rejoined = starts[1]["t"]
+    after = [m for m in _merges(tmp_path) if m["t"] > rejoined]
+    assert after and any("learner-1" in m["learners"] for m in after)
+    # a round waits for the slowest live learner's step, or for a dead one to be declared dead
+    # (heartbeat_timeout_s 3 s): never for the merge timeout
+    assert max(m["wait_s"] for m in after) < 10.0, sorted(m["wait_s"] for m in after)[-5:]

@@ -37,6 +37,18 @@ def fleet_progress(fleet_step: int, versions: dict[int, int], sync_every: int, s
     return max(0, min(steps, max(int(fleet_step), durable)))
 
 
+def last_merged_step(versions: dict[int, int], schedule: FragmentSchedule) -> int:
+    """The step of the fleet's last merged round, from the fragments' versions: version v of
+    fragment p is the merge of its v-th due step. Where learners wait for merges (streaming,
+    diloco), each sends a fragment at its own due steps, so a learner that joins a fleet already
+    training must count its steps from here: in phase with the fleet, it answers the rounds the
+    others are waiting on. Behind it (say, from the least advanced fragment), it would answer
+    rounds that already merged and then wait for their next merge, which the others reach only
+    after rounds that wait for its answers: a deadlock broken only by the merge timeout."""
+    return max((schedule.next_due_step(p, 0) + (v - 1) * schedule.sync_every for p, v in versions.items() if v > 0),
+               default=0)
+
+
 def fleet_pace(step_times_s: Iterable[float], quorum: int) -> float | None:
     """Seconds per fleet step: the K-th smallest positive step time (K = quorum; 0: the largest),
     None when nobody has reported one."""

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddiloco.algorithm.fleet_clock import fleet_progress
+from ddiloco.algorithm.fleet_clock import fleet_progress, last_merged_step
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
@@ -213,7 +213,10 @@ class DecoupledSync:
             raise SyncError(f"synchronizer refused this learner: {join.error}")
         if not join.genesis and (resume if resume is not None else self.cfg.train.resume == "fleet"):
             versions = {p: version for p, (version, _) in join.fetched.items()}
-            self.start_step = fleet_progress(join.fleet_step, versions, self.cfg.protocol.sync_every, self.steps)
+            if self.learners_wait:  # in phase with the fleet (fleet_clock.last_merged_step says why)
+                self.start_step = min(self.steps, last_merged_step(versions, self.schedule))
+            else:
+                self.start_step = fleet_progress(join.fleet_step, versions, self.cfg.protocol.sync_every, self.steps)
         self.step_count = self.start_step
         self.local.join({} if join.genesis else join.fetched, self.start_step)
         self.joined = True
