@@ -129,6 +129,11 @@ class Engine:
     def fragments(self) -> dict[int, GlobalFragment]:
         return self.state.fragments if self.state is not None else {}
 
+    @property
+    def largest_fragment(self) -> int | None:
+        """Values in the largest fragment of the global state (None before it exists)."""
+        return max(f.numel for f in self.state.layout.fragments) if self.state is not None else None
+
     def load(self) -> bool:
         """Load state from the state dir; False if it holds none yet."""
         state = load_state(self.store, protocol=to_dict(self.protocol_params()), owned=self.owned,
