@@ -223,7 +223,9 @@ class FragmentRound:
             return
         entries = [sealed.entries[i] for i in keep]
         weights = token_weights([c.tokens for c in entries], [c.steps for c in entries])
-        scale = participation_scale(len(entries), len(ctx.learners.live(ctx.clock()))) if settings.scale_by_participation else 1.0
+        scale = 1.0
+        if settings.scale_by_participation:
+            scale = participation_scale(len(entries), len(ctx.learners.live(ctx.clock())))
         self.merging = True
         started = time.perf_counter()
         try:
@@ -300,7 +302,7 @@ class FragmentRound:
         merge_s = time.perf_counter() - t0
         transfer = self.ctx.publisher.encode(frag.spec, params, version + 1)
         t1 = time.perf_counter()
-        self.ctx.store.commit(FragmentRecord(self.index, version + 1, params, momentum, frag.merges + 1, self.ctx.wall(),
-                                       self._contributors(sealed, keep)))
+        self.ctx.store.commit(FragmentRecord(self.index, version + 1, params, momentum, frag.merges + 1,
+                                             self.ctx.wall(), self._contributors(sealed, keep)))
         commit_s = time.perf_counter() - t1
         return MergeOutcome(params, momentum, transfer, merge_s, commit_s)

@@ -1,13 +1,15 @@
 """The synchronizer's gRPC face: grpc.aio server, Sync / FetchState / GetStatus, health, auth.
 
 Each Sync stream runs two coroutines: a reader that reassembles chunks and feeds the engine, and
-the response generator that drains the learner's outbox. The servicer turns streams into engine
-calls; what it counts, bounds and logs on its own it is given at construction (``ServicerParts``:
-the metrics, the limits, the chunk size, the log and the clock), not read through the engine. Framing faults (corrupt, missing,
+the response generator that drains the learner's outbox. Framing faults (corrupt, missing,
 reordered, oversized chunks, messages out of protocol order) end that stream with a gRPC status
 and message after the contribution is rejected; content faults (bad shape, non-finite values,
 stale base, ...) are rejected with a ContributionResult and the stream goes on. Either way only
 the offending stream is affected and the global model is untouched.
+
+The servicer turns streams into engine calls; what it counts, bounds and logs on its own it is
+given at construction (``ServicerParts``: the metrics, the limits, the chunk size, the log and the
+clock), not read through the engine.
 
 Message limits are set from the protocol's chunk size, and keepalive pings let both sides find
 dead peers behind silent networks. SIGTERM: health goes NOT_SERVING, the commit in progress
