@@ -9,9 +9,14 @@ The gRPC layer (``server``) turns streams into calls here: ``hello``, ``receive`
 - the fleet's clock (``ddiloco.algorithm.fleet_clock``), counted here at the pace of the K-th
   fastest live learner, says when each fragment falls due; its round then asks every live
   learner for it;
-- one ``rounds.FragmentRound`` per owned fragment merges, commits (``store``) and broadcasts
-  (``broadcast``), deciding with the pure round state machine of ``ddiloco.algorithm.round``;
+- one ``rounds.FragmentRound`` per owned fragment merges, commits (``store``) and hands the new
+  version to the ``publisher`` (encoded once, cached for fetches, queued to every outbox of
+  ``broadcast``), deciding with the pure round state machine of ``ddiloco.algorithm.round`` at the
+  fleet's ``pace``;
 - ``ledger`` answers and counts every contribution's outcome, ``membership`` tracks liveness.
+
+The engine is where these parts are built and handed to each other; a round sees them through
+``rounds.RoundContext``, never the engine.
 """
 
 from __future__ import annotations
@@ -25,12 +30,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import torch
-
 from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
-from ddiloco.algorithm.policies import RunningAverage, Timings
 from ddiloco.algorithm.round import RejoinHold, RoundRules, StartHold
 from ddiloco.algorithm.weight_guard import WeightGuard
 from ddiloco.core.config import to_dict
@@ -38,11 +40,8 @@ from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
 from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.codec import make_codec
-from ddiloco.fragments.partition import Fragment
-from ddiloco.fragments.payload import encode_fragment
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.protocol.wire import (
-    FragmentRequest,
     FragmentStatus,
     Heartbeat,
     Hello,
@@ -61,6 +60,8 @@ from ddiloco.synchronizer.inbox import Contribution
 from ddiloco.synchronizer.ledger import Ledger
 from ddiloco.synchronizer.membership import LearnerRecord, Membership
 from ddiloco.synchronizer.metrics import SynchronizerMetrics
+from ddiloco.synchronizer.pace import Pace
+from ddiloco.synchronizer.publisher import Publisher
 from ddiloco.synchronizer.recovery import LoadedState, load_state
 from ddiloco.synchronizer.rounds import FragmentRound, MergeSettings, RoundContext
 from ddiloco.synchronizer.store import StateStore
@@ -86,7 +87,10 @@ class Engine:
         self.membership = Membership(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                      max_control=cfg.send_queue_messages, max_learners=cfg.max_learners)
         self.pool = ThreadPoolExecutor(cfg.merge_threads, thread_name_prefix="ddiloco-merge")
-        self.codec = make_codec(cfg.protocol.global_codec, threads=cfg.codec_threads)
+        self.publisher = Publisher(codec=make_codec(cfg.protocol.global_codec, threads=cfg.codec_threads),
+                                   max_chunk_bytes=cfg.protocol.max_chunk_bytes, membership=self.membership,
+                                   metrics=self.metrics, run_blocking=self.run_blocking)
+        self.pace = Pace()
         self.owned = [p for p in range(cfg.protocol.num_fragments) if cfg.owns(p)]
         self.metrics.watch_learners(
             lambda: [(lid, self.membership.is_live(r, self.clock())) for lid, r in list(self.membership.learners.items())])
@@ -111,13 +115,8 @@ class Engine:
                                                  overlap=p.overlap), now=clock())
         self._clock_task: asyncio.Task[None] | None = None
         self._clock_event: asyncio.Event | None = None
-        self.global_cache: dict[int, GlobalTransfer] = {}
         self.closing = False
         self.started_at = clock()
-        self._transfer_id = 0
-        self._step_time = RunningAverage(0.2)
-        self._quorum_time = RunningAverage(0.2)
-        self._sync_time = RunningAverage(0.2)
         self.ledger.event({"event": "sync_start", "synchronizer_id": self.synchronizer_id})
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -129,6 +128,11 @@ class Engine:
     @property
     def fragments(self) -> dict[int, GlobalFragment]:
         return self.state.fragments if self.state is not None else {}
+
+    @property
+    def largest_fragment(self) -> int | None:
+        """Values in the largest fragment of the global state (None before it exists)."""
+        return max(f.numel for f in self.state.layout.fragments) if self.state is not None else None
 
     def load(self) -> bool:
         """Load state from the state dir; False if it holds none yet."""
@@ -147,6 +151,7 @@ class Engine:
 
     def _install(self, state: LoadedState) -> None:
         self.state = state
+        self.publisher.layout_hash = state.layout_hash
         for p, frag in state.fragments.items():  # every version is committed before it is current
             frag.keep_on_disk(functools.partial(self.store.read_params, p, num_values=frag.spec.numel))
         self.ledger.merges_total = state.merges
@@ -162,14 +167,15 @@ class Engine:
                                  scale_by_participation=cfg.scale_by_participation,
                                  outer=OuterNesterov(lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                                      momentum_warmup=cfg.outer_momentum_warmup))
-        ctx = RoundContext(clock=self.clock, wall=self.wall, live=lambda: self.membership.live(self.clock()),
-                           timings=self.timings, run_blocking=self.run_blocking, commit=self.store.commit,
-                           encode=self.encode_global, publish=self.publish, merged=self._merged, ask=self._ask,
-                           closing=lambda: self.closing, ledger=self.ledger, rejoin=self.rejoin,
-                           start=self.start_hold, max_wait_s=cfg.heartbeat_interval_s)
+        ctx = RoundContext(clock=self.clock, wall=self.wall, learners=self.membership, pace=self.pace,
+                           run_blocking=self.run_blocking, store=self.store, publisher=self.publisher,
+                           ledger=self.ledger, rejoin=self.rejoin, start=self.start_hold,
+                           max_wait_s=cfg.heartbeat_interval_s)
         for frag in self.fragments.values():
             r = FragmentRound(frag, rules=rules, merge=settings, ctx=ctx, log=self.log)
             self.rounds[frag.spec.index] = r
+            if self.closing:  # state committed while shutting down: the round never decides
+                r.close()
             r.start()
         if not learner_clocked:
             self._clock_event = asyncio.Event()
@@ -192,21 +198,11 @@ class Engine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._clock_event.wait(), timeout=timeout)
 
-    def _ask(self, request: FragmentRequest) -> frozenset[str]:
-        """Send ``request`` to every learner still training; the live ones among them (a faulty
-        learner is asked as well, or it could never send the good answer that makes it live
-        again, but no round waits for it)."""
-        now, asked = self.clock(), []
-        for rec in self.membership.learners.values():
-            if self.membership.is_training(rec, now):
-                rec.outbox.put_control(request)
-                if not rec.faulty:
-                    asked.append(rec.learner_id)
-        return frozenset(asked)
-
     async def stop(self) -> None:
         """Finish any merge/commit in progress, then stop the rounds."""
         self.closing = True
+        for r in self.rounds.values():
+            r.close()
         deadline = self.clock() + 30.0
         while any(r.merging for r in self.rounds.values()) and self.clock() < deadline:
             await asyncio.sleep(0.01)
@@ -225,30 +221,8 @@ class Engine:
     async def run_blocking(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
 
-    def encode_global(self, spec: Fragment, params: torch.Tensor, version: int) -> GlobalTransfer:
-        """A committed version as one transfer, encoded once and shared by every outbox."""
-        self._transfer_id += 1
-        chunks = encode_fragment(params, spec, codec=self.codec, kind="global", version=version,
-                                 transfer_id=self._transfer_id, layout_hash=self.state.layout_hash if self.state else "",
-                                 max_chunk_bytes=self.cfg.protocol.max_chunk_bytes)
-        return GlobalTransfer(spec.index, version, tuple(chunks))
-
-    def timings(self) -> Timings:
-        return Timings(self._step_time.get(), self._quorum_time.get(), self._sync_time.get())
-
-    def _merged(self, quorum_time_s: float, sync_time_s: float) -> None:
-        self._quorum_time.update(quorum_time_s)
-        self._sync_time.update(sync_time_s)
-
     def protocol_params(self) -> ProtocolParams:
         return ProtocolParams.from_config(self.cfg.protocol)
-
-    def publish(self, transfer: GlobalTransfer) -> None:
-        """A committed version: cache it for FetchState and queue it to every connected learner."""
-        self.global_cache[transfer.fragment] = transfer
-        self.metrics.version.labels(str(transfer.fragment)).set(transfer.version)
-        for rec in self.membership.connected():
-            rec.outbox.put_global(transfer)
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -294,7 +268,7 @@ class Engine:
                 self.metrics.limit_refusals.labels(limit="step_time").inc()
         elif not hb.training_done:
             rec.step_time_s = hb.step_time_s
-            self._step_time.update(hb.step_time_s)
+            self.pace.stepped(hb.step_time_s)
             if self._clock_event is not None:  # the fleet's pace may have changed
                 self._clock_event.set()
         if done_changed:  # liveness changed: every round decides again
@@ -363,17 +337,7 @@ class Engine:
         unknown = [p for p in wanted if p not in self.fragments]
         if unknown:
             raise Refused("INVALID_ARGUMENT", "unknown_fragment", f"fragments {unknown} are not owned here")
-        out = []
-        for p in wanted:
-            frag = self.fragments[p]
-            cached = self.global_cache.get(p)
-            if cached is None or cached.version != frag.version:
-                version = frag.version
-                cached = await self.run_blocking(self.encode_global, frag.spec, frag.params, version)
-                if frag.version == version:
-                    self.global_cache[p] = cached
-            out.append(cached)
-        return out
+        return [await self.publisher.current(self.fragments[p]) for p in wanted]
 
     def status(self) -> StatusReply:
         now = self.clock()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from ddiloco.protocol.wire import FragmentRequest
 from ddiloco.synchronizer.broadcast import Outbox
 
 
@@ -113,6 +114,18 @@ class Membership:
 
     def live(self, now: float) -> frozenset[str]:
         return frozenset(lid for lid, r in self.learners.items() if self.is_live(r, now))
+
+    def ask(self, request: FragmentRequest, now: float) -> frozenset[str]:
+        """Send ``request`` to every learner still training; the live ones among them (a faulty
+        learner is asked as well, or it could never send the good answer that makes it live
+        again, but no round waits for it)."""
+        asked = []
+        for rec in self.learners.values():
+            if self.is_training(rec, now):
+                rec.outbox.put_control(request)
+                if not rec.faulty:
+                    asked.append(rec.learner_id)
+        return frozenset(asked)
 
     def connected(self) -> list[LearnerRecord]:
         return [r for r in self.learners.values() if r.connected]

@@ -13,8 +13,10 @@ broadcast only after the commit returned. If the commit fails, the round's contr
 into the inbox (unless a newer one from the same learner arrived meanwhile) and the round is
 retried: nothing accepted is lost, nothing uncommitted is broadcast.
 
-A round gets what it needs from the synchronizer as a ``RoundContext`` of single-purpose functions
-(commit, encode, publish, who is live, the timings), never the synchronizer itself.
+A round gets what it needs from the synchronizer as a ``RoundContext`` of the parts it works with,
+each seen through a narrow interface: the learners (who is live, asking them), the pace (the
+timings the grace is sized from), the store (commit) and the publisher (encode once, broadcast),
+never the synchronizer itself. A round stops deciding once it is closed (``close``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -64,23 +66,51 @@ class MergeSettings:
     outer: OuterNesterov
 
 
+class Learners(Protocol):
+    """Who a round counts and asks (``membership.Membership``)."""
+
+    def live(self, now: float) -> frozenset[str]: ...
+
+    def ask(self, request: FragmentRequest, now: float) -> frozenset[str]:
+        """Send a request to every learner still training; the live ones among them."""
+        ...
+
+
+class Pacing(Protocol):
+    """The running averages the grace is sized from (``pace.Pace``)."""
+
+    def timings(self) -> Timings: ...
+
+    def merged(self, quorum_time_s: float, sync_time_s: float) -> None:
+        """A committed merge: (quorum time, sync time)."""
+        ...
+
+
+class Committer(Protocol):
+    """Where a merged version becomes durable (``store.StateStore``)."""
+
+    def commit(self, record: FragmentRecord) -> Any: ...
+
+
+class Publishing(Protocol):
+    """How a committed version reaches the learners (``publisher.Publisher``)."""
+
+    def encode(self, spec: Fragment, params: torch.Tensor, version: int) -> GlobalTransfer: ...
+
+    def publish(self, transfer: GlobalTransfer) -> None: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoundContext:
-    """What a round needs from the synchronizer, one function each."""
+    """What a round needs from the synchronizer."""
 
     clock: Callable[[], float]
     wall: Callable[[], float]
-    live: Callable[[], frozenset[str]]
-    timings: Callable[[], Timings]
+    learners: Learners
+    pace: Pacing
     run_blocking: Callable[..., Awaitable[Any]]
-    commit: Callable[[FragmentRecord], Any]
-    encode: Callable[[Fragment, torch.Tensor, int], GlobalTransfer]
-    publish: Callable[[GlobalTransfer], None]
-    merged: Callable[[float, float], None]
-    """Feeds the running averages: (quorum time, sync time) of a committed merge."""
-    ask: Callable[[FragmentRequest], frozenset[str]]
-    """Send a request to every live learner; the learners asked."""
-    closing: Callable[[], bool]
+    store: Committer
+    publisher: Publishing
     ledger: Ledger
     rejoin: RejoinHold
     start: StartHold
@@ -108,6 +138,7 @@ class FragmentRound:
         """The round's latest decision and its reason (for status, logs and tests)."""
         self.event = asyncio.Event()
         self.merging = False
+        self.closing = False
         self.task: asyncio.Task[None] | None = None
         self._segments = [(s, e) for _, s, e in fragment.spec.segments()]
         self._embedding = embedding_mask(fragment.spec, merge.embedding_patterns)
@@ -120,6 +151,10 @@ class FragmentRound:
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"fragment-{self.index}")
 
+    def close(self) -> None:
+        """Decide no more (a merge in progress finishes; the task then ends)."""
+        self.closing = True
+
     def poke(self) -> None:
         self.event.set()
 
@@ -131,7 +166,8 @@ class FragmentRound:
 
     def request(self, now: float, round_no: int) -> None:
         """The fragment fell due: open its round and ask every live learner for it."""
-        asked = self.ctx.ask(FragmentRequest(fragment_id=self.index, round=round_no, version=self.fragment.version))
+        request = FragmentRequest(fragment_id=self.index, round=round_no, version=self.fragment.version)
+        asked = self.ctx.learners.ask(request, self.ctx.clock())
         self.state.open(now, round_no, waiting=len(self.inbox) > 0, asked=asked)
         self.log.debug("requested", round=round_no, version=self.fragment.version, learners=len(asked))
         self.poke()
@@ -141,10 +177,10 @@ class FragmentRound:
 
     async def _run(self) -> None:
         ctx = self.ctx
-        while not ctx.closing():
+        while not self.closing:
             now = ctx.clock()
-            decision = self.state.decide(now, self.waiting(), self.fragment.version, ctx.live(), ctx.timings(),
-                                         self.rules, ctx.rejoin, ctx.start)
+            decision = self.state.decide(now, self.waiting(), self.fragment.version, ctx.learners.live(now),
+                                         ctx.pace.timings(), self.rules, ctx.rejoin, ctx.start)
             self.last_decision = decision
             if decision.merge:
                 try:
@@ -187,7 +223,9 @@ class FragmentRound:
             return
         entries = [sealed.entries[i] for i in keep]
         weights = token_weights([c.tokens for c in entries], [c.steps for c in entries])
-        scale = participation_scale(len(entries), len(ctx.live())) if settings.scale_by_participation else 1.0
+        scale = 1.0
+        if settings.scale_by_participation:
+            scale = participation_scale(len(entries), len(ctx.learners.live(ctx.clock())))
         self.merging = True
         started = time.perf_counter()
         try:
@@ -201,11 +239,11 @@ class FragmentRound:
         frag.advance(outcome.params, outcome.momentum, version + 1, ctx.wall(), contributors)
         frag.last_quorum_size = len(entries)
         frag.last_grace_s = grace_s
-        ctx.publish(outcome.transfer)
+        ctx.publisher.publish(outcome.transfer)
         for c, w in zip(entries, weights, strict=True):
             ctx.ledger.merged(c, version + 1, w, merged_onto=version)
         sync_s = time.perf_counter() - started
-        ctx.merged(quorum_time_s, sync_s)
+        ctx.pace.merged(quorum_time_s, sync_s)
         ctx.ledger.record_merge(fragment=self.index, version=version + 1, grace_s=grace_s, merge_s=outcome.merge_s,
                                 commit_s=outcome.commit_s, sync_s=sync_s, staleness=staleness,
                                 contributions=entries, scale=scale, round_no=round_no, wait_s=wait_s)
@@ -262,9 +300,9 @@ class FragmentRound:
         momentum = frag.momentum.clone()
         settings.outer.at(frag.merges + 1).step(params, momentum, merged)
         merge_s = time.perf_counter() - t0
-        transfer = self.ctx.encode(frag.spec, params, version + 1)
+        transfer = self.ctx.publisher.encode(frag.spec, params, version + 1)
         t1 = time.perf_counter()
-        self.ctx.commit(FragmentRecord(self.index, version + 1, params, momentum, frag.merges + 1, self.ctx.wall(),
-                                       self._contributors(sealed, keep)))
+        self.ctx.store.commit(FragmentRecord(self.index, version + 1, params, momentum, frag.merges + 1,
+                                             self.ctx.wall(), self._contributors(sealed, keep)))
         commit_s = time.perf_counter() - t1
         return MergeOutcome(params, momentum, transfer, merge_s, commit_s)

@@ -7,6 +7,10 @@ and message after the contribution is rejected; content faults (bad shape, non-f
 stale base, ...) are rejected with a ContributionResult and the stream goes on. Either way only
 the offending stream is affected and the global model is untouched.
 
+The servicer turns streams into engine calls; what it counts, bounds and logs on its own it is
+given at construction (``ServicerParts``: the metrics, the limits, the chunk size, the log and the
+clock), not read through the engine.
+
 Message limits are set from the protocol's chunk size, and keepalive pings let both sides find
 dead peers behind silent networks. SIGTERM: health goes NOT_SERVING, the commit in progress
 finishes, then ``server.stop(grace)``.
@@ -21,6 +25,8 @@ something at least every ``idle_stream_timeout_s``, and each transfer within
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -34,10 +40,11 @@ from ddiloco.protocol.credentials import token_from_metadata
 from ddiloco.synchronizer.admission import Refused
 from ddiloco.synchronizer.auth import Gate, ServerCertificates, TokenTable
 from ddiloco.synchronizer.broadcast import GlobalTransfer
-from ddiloco.synchronizer.config import SynchronizerConfig
+from ddiloco.synchronizer.config import Limits, SynchronizerConfig
 from ddiloco.synchronizer.engine import Engine
 from ddiloco.synchronizer.limits import StreamLimiter
 from ddiloco.synchronizer.membership import LearnerRecord
+from ddiloco.synchronizer.metrics import SynchronizerMetrics
 
 _STATUS = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -109,18 +116,32 @@ def _deny_handler(method: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServicerParts:
+    """What the servicer works with besides the engine's calls."""
+
+    metrics: SynchronizerMetrics
+    limits: Limits
+    max_chunk_bytes: int
+    """The protocol's chunk size: the largest chunk a stream may send."""
+    log: Any
+    clock: Callable[[], float]
+
+
 class SynchronizerServicer(wire.SynchronizerServicer):
-    def __init__(self, engine: Engine, gate: Gate) -> None:
+    def __init__(self, engine: Engine, gate: Gate, parts: ServicerParts) -> None:
         self.engine = engine
         self.gate = gate
-        self.limiter = StreamLimiter(engine.cfg.limits, engine.clock)
+        self.metrics, self.limits, self.log, self.clock = parts.metrics, parts.limits, parts.log, parts.clock
+        self.max_chunk_bytes = parts.max_chunk_bytes
+        self.limiter = StreamLimiter(parts.limits, parts.clock)
 
     def _identities(self, context: grpc.aio.ServicerContext) -> list[str]:
         return self.gate.identities(token_from_metadata(context.invocation_metadata()), context)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, limit: str, detail: str) -> None:
-        self.engine.metrics.limit_refusals.labels(limit=limit).inc()
-        self.engine.log.warning("stream refused", limit=limit, peer=context.peer(), detail=detail)
+        self.metrics.limit_refusals.labels(limit=limit).inc()
+        self.log.warning("stream refused", limit=limit, peer=context.peer(), detail=detail)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit}: {detail}")
 
     # -- Sync -----------------------------------------------------------------------------
@@ -139,13 +160,13 @@ class SynchronizerServicer(wire.SynchronizerServicer):
         engine = self.engine
         reader = request_iterator.__aiter__()
         try:
-            first = await asyncio.wait_for(reader.__anext__(), timeout=engine.cfg.limits.hello_timeout_s)
+            first = await asyncio.wait_for(reader.__anext__(), timeout=self.limits.hello_timeout_s)
         except StopAsyncIteration:
             return
         except wire.MalformedMessage:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad first message: not a LearnerMessage")
         except TimeoutError:
-            await self._refuse(context, "hello_timeout", f"no Hello within {engine.cfg.limits.hello_timeout_s:g}s")
+            await self._refuse(context, "hello_timeout", f"no Hello within {self.limits.hello_timeout_s:g}s")
         try:
             hello = wire.learner_message_from_pb(first)
         except FragmentError as exc:
@@ -154,8 +175,8 @@ class SynchronizerServicer(wire.SynchronizerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of Sync must be Hello")
         denied = self.gate.check_sync(self._identities(context), hello.learner_id)
         if denied is not None:
-            engine.metrics.auth_refusals.labels(reason="identity").inc()
-            engine.log.warning("stream refused", learner_id=hello.learner_id, peer=context.peer(), detail=denied)
+            self.metrics.auth_refusals.labels(reason="identity").inc()
+            self.log.warning("stream refused", learner_id=hello.learner_id, peer=context.peer(), detail=denied)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
         try:
             record, welcome = engine.hello(hello)
@@ -190,7 +211,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 item = pop_task.result()
                 if isinstance(item, GlobalTransfer):
                     for chunk in item.chunks:
-                        engine.metrics.bytes_out.inc(len(chunk.data))
+                        self.metrics.bytes_out.inc(len(chunk.data))
                         yield chunk  # serialized without a protobuf copy
                 else:
                     yield wire.synchronizer_message_to_pb(item)
@@ -206,18 +227,17 @@ class SynchronizerServicer(wire.SynchronizerServicer):
 
     async def _read(self, record: LearnerRecord, reader: Any) -> str | None:
         """Handle the learner's messages until its stream ends; the goodbye's reason if it said one."""
-        engine = self.engine
-        lim = engine.cfg.limits
+        engine, lim, clock = self.engine, self.limits, self.clock
         max_transfer = lim.max_transfer_bytes
-        if engine.state is not None:
-            largest = max(f.numel for f in engine.state.layout.fragments)
+        largest = engine.largest_fragment
+        if largest is not None:
             max_transfer = min(max_transfer, 4 * largest + FRAMING_ALLOWANCE)
-        reassembler = Reassembler(max_chunk_bytes=engine.cfg.protocol.max_chunk_bytes, max_payload_bytes=max_transfer)
+        reassembler = Reassembler(max_chunk_bytes=self.max_chunk_bytes, max_payload_bytes=max_transfer)
         transfer_started = 0.0
         while True:
             wait_s = lim.idle_stream_timeout_s
             if reassembler.in_progress is not None:
-                wait_s = min(wait_s, transfer_started + lim.transfer_timeout_s - engine.clock())
+                wait_s = min(wait_s, transfer_started + lim.transfer_timeout_s - clock())
             try:
                 raw = await asyncio.wait_for(reader.__anext__(), timeout=max(wait_s, 0.0))
             except StopAsyncIteration:
@@ -232,10 +252,10 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                     limit, detail = "transfer_timeout", f"transfer not complete within {lim.transfer_timeout_s:g}s"
                 else:
                     limit, detail = "idle_stream_timeout", f"nothing received for {lim.idle_stream_timeout_s:g}s"
-                engine.metrics.limit_refusals.labels(limit=limit).inc()
+                self.metrics.limit_refusals.labels(limit=limit).inc()
                 raise _Violation(grpc.StatusCode.DEADLINE_EXCEEDED, f"{limit}: {detail}") from None
             if reassembler.in_progress is None:
-                transfer_started = engine.clock()
+                transfer_started = clock()
             try:
                 msg = wire.learner_message_from_pb(raw)
             except FragmentError as exc:
@@ -243,21 +263,21 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 raise _Violation(grpc.StatusCode.INVALID_ARGUMENT, f"protocol: {exc}") from exc
             engine.touch(record)
             if isinstance(msg, Chunk):
-                engine.metrics.bytes_in.inc(len(msg.data))
+                self.metrics.bytes_in.inc(len(msg.data))
                 header = reassembler.in_progress or msg.header
                 try:
                     transfer = reassembler.feed(msg)
                 except ChunkError as exc:
                     engine.reject_framing(record, header, exc.reason.lower(), str(exc))
                     if exc.reason == "OVERSIZED":
-                        engine.metrics.limit_refusals.labels(limit="max_transfer_bytes").inc()
+                        self.metrics.limit_refusals.labels(limit="max_transfer_bytes").inc()
                     raise _Violation(_framing_status(exc), f"{exc.reason.lower()}: {exc}") from exc
                 if transfer is not None:
                     await engine.receive(record, transfer)
             elif isinstance(msg, wire.Heartbeat):
                 engine.heartbeat(record, msg)
             elif isinstance(msg, wire.Goodbye):
-                engine.log.info("learner said goodbye", learner_id=record.learner_id, reason=msg.reason)
+                self.log.info("learner said goodbye", learner_id=record.learner_id, reason=msg.reason)
                 return msg.reason
             else:
                 engine.reject_framing(record, reassembler.in_progress, "protocol", "Hello sent twice")
@@ -277,13 +297,13 @@ class SynchronizerServicer(wire.SynchronizerServicer):
             await context.abort(_STATUS.get(r.code, grpc.StatusCode.FAILED_PRECONDITION), f"{r.reason}: {r.detail}")
         for transfer in transfers:
             for chunk in transfer.chunks:
-                self.engine.metrics.bytes_out.inc(len(chunk.data))
+                self.metrics.bytes_out.inc(len(chunk.data))
                 yield chunk
 
     async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
         denied = self.gate.check_status(self._identities(context))
         if denied is not None:
-            self.engine.metrics.auth_refusals.labels(reason="not_operator").inc()
+            self.metrics.auth_refusals.labels(reason="not_operator").inc()
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
         return wire.status_to_pb(self.engine.status())
 
@@ -304,11 +324,14 @@ class SynchronizerServer:
         if cfg.auth_tokens:
             log.warning("auth_tokens are written inline in the config; deployments should use auth_tokens_file")
         self.engine = engine or Engine(cfg)
+        self.parts = ServicerParts(metrics=self.engine.metrics, limits=cfg.limits,
+                                   max_chunk_bytes=cfg.protocol.max_chunk_bytes, log=self.engine.log,
+                                   clock=self.engine.clock)
         self.health = health.aio.HealthServicer()
-        refusal = self.engine.metrics.auth_refusals.labels(reason="unknown_token")
+        refusal = self.parts.metrics.auth_refusals.labels(reason="unknown_token")
         interceptors = [BearerTokenInterceptor(self.tokens, refusal.inc)] if self.tokens.enabled else []
         self.server = grpc.aio.server(options=channel_options(cfg), interceptors=interceptors)
-        self.servicer = SynchronizerServicer(self.engine, Gate(cfg, self.tokens))
+        self.servicer = SynchronizerServicer(self.engine, Gate(cfg, self.tokens), self.parts)
         wire.add_synchronizer_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
@@ -330,8 +353,8 @@ class SynchronizerServer:
         for service in ("", wire.SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.cfg.metrics_port is not None:
-            self.metrics_port = engine.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host or host.strip("[]"))
-        engine.log.info("synchronizer serving", listen=f"{host}:{self.port}", state_dir=self.cfg.state_dir,
+            self.metrics_port = self.parts.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host or host.strip("[]"))
+        self.parts.log.info("synchronizer serving", listen=f"{host}:{self.port}", state_dir=self.cfg.state_dir,
                         ready=engine.ready, mode=self.cfg.protocol.mode, metrics_port=self.metrics_port)
         return self.port
 
@@ -340,7 +363,7 @@ class SynchronizerServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.engine.stop()
         await self.server.stop(self.cfg.shutdown_grace_s if grace is None else grace)
-        self.engine.log.info("synchronizer stopped")
+        self.parts.log.info("synchronizer stopped")
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
