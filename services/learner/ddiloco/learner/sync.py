@@ -63,9 +63,10 @@ from ddiloco.fragments.outer_gradient import all_finite, gather, outer_gradient,
 from ddiloco.fragments.partition import partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.apply import apply_global, counters_after_apply
-from ddiloco.learner.comm import HEAL_AFTER, Arrival, Comm, Outgoing
+from ddiloco.learner.comm import Comm
 from ddiloco.learner.config import LearnerConfig, learner_config
 from ddiloco.learner.events import EventLog
+from ddiloco.learner.mailbox import HEAL_AFTER, Arrival, Outgoing
 from ddiloco.learner.metrics import LearnerMetrics
 
 _PROTOCOL_SHORTHANDS = {"fragments": "num_fragments", "sync_every": "sync_every", "overlap": "overlap",
