@@ -2,7 +2,7 @@
 
 The generated modules live in ``libs/protocol/ddiloco/v1`` (import name ``ddiloco.v1``, matching the
 protobuf package) and are committed, so installing ddiloco never needs grpcio-tools.
-``ddiloco.protocol.wire`` is the only module that imports them. ``tests/protocol/test_generated_code.py``
+Only ``ddiloco.protocol.wire.convert`` and ``ddiloco.protocol.wire.stubs`` import them. ``tests/protocol/test_generated_code.py``
 regenerates into a temporary folder and fails when the checked-in files drift.
 
 Usage: ``python scripts/gen_protos.py [--out DIR]``

@@ -47,6 +47,7 @@ from ddiloco.fragments.errors import FragmentError
 from ddiloco.fragments.partition import TensorSpec, partition
 from ddiloco.fragments.payload import decode_fragment
 from ddiloco.protocol import wire
+from ddiloco.protocol.wire.convert import pb
 
 LAYOUT = partition([
     TensorSpec("tok_emb.weight", (16, 8)),
@@ -179,7 +180,7 @@ def _wire(data: bytes, out: Outcome) -> None:
         record = data[pos + 2:pos + 2 + size]
         pos += 2 + size
         try:
-            msg = wire.pb.FragmentChunk.FromString(record)
+            msg = pb.FragmentChunk.FromString(record)
         except DecodeError:
             break
         chunks.append(wire.chunk_from_pb(msg))

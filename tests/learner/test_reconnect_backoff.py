@@ -8,8 +8,8 @@ import random
 import pytest
 from tenacity import AsyncRetrying, retry_if_exception_type
 
-from ddiloco.learner.comm import ReconnectBackoff
 from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.session import ReconnectBackoff
 
 
 class Clock:

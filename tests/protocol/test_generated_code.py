@@ -56,11 +56,11 @@ def test_generated_descriptor_matches_the_proto_source() -> None:
     .proto file exists in the loaded descriptor."""
     import re
 
-    from ddiloco.protocol import wire
+    from ddiloco.protocol.wire.convert import pb
 
     source = (ROOT / "protos" / "ddiloco" / "v1" / "synchronizer.proto").read_text()
     messages = set(re.findall(r"^message (\w+)", source, re.M))
     enums = set(re.findall(r"^enum (\w+)", source, re.M))
-    descriptor = wire.pb.DESCRIPTOR
+    descriptor = pb.DESCRIPTOR
     assert messages == set(descriptor.message_types_by_name), FIX
     assert enums == set(descriptor.enum_types_by_name), FIX

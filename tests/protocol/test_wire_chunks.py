@@ -17,8 +17,9 @@ from ddiloco.fragments.chunking import Chunk, TransferHeader, split
 from ddiloco.fragments.errors import FragmentError
 from ddiloco.fragments.partition import TensorSpec
 from ddiloco.protocol import wire
+from ddiloco.protocol.wire.convert import pb
+from ddiloco.protocol.wire.framing import varint
 
-pb = wire.pb
 SETTINGS = settings(max_examples=60, deadline=None)
 
 HEADER = TransferHeader(kind="contribution", fragment_id=3, version=7, sequence=11, tokens=512, steps=4,
@@ -63,7 +64,7 @@ def _wrap(kind: str, body: bytes) -> bytes:
     """``body`` (a serialized FragmentChunk) as the chunk field of ``kind``'s message."""
     if kind == "fetch":
         return body
-    return bytes([2 << 3 | 2]) + wire._varint(len(body)) + body  # chunk is field 2 in both messages
+    return bytes([2 << 3 | 2]) + varint(len(body)) + body  # chunk is field 2 in both messages
 
 
 @SETTINGS
@@ -94,8 +95,8 @@ def _field(**values: Any) -> bytes:
 
 
 def _unknown(number: int, wire_type: int) -> bytes:
-    body = {0: wire._varint(300), 1: b"\x01" * 8, 2: wire._varint(3) + b"abc", 5: b"\x02" * 4}[wire_type]
-    return wire._varint(number << 3 | wire_type) + body
+    body = {0: varint(300), 1: b"\x01" * 8, 2: varint(3) + b"abc", 5: b"\x02" * 4}[wire_type]
+    return varint(number << 3 | wire_type) + body
 
 
 @SETTINGS
@@ -110,7 +111,7 @@ def test_any_valid_encoding_reads_as_protobuf_reads_it(order: list[int], data: l
     header.header.CopyFrom(wire.header_to_pb(HEADER))
     fields = [_field(transfer_id=9), _field(index=2), header.SerializeToString(), _field(crc32c=77),
               b"".join(_unknown(n, t) for n, t in unknown)]
-    data_fields = [wire._varint(4 << 3 | 2) + wire._varint(len(d)) + d for d in data]
+    data_fields = [varint(4 << 3 | 2) + varint(len(d)) + d for d in data]
     body = b"".join(fields[i] for i in order[:3]) + b"".join(data_fields) + b"".join(fields[i] for i in order[3:])
     outcome, _ = _same_as_protobuf(kind, _wrap(kind, body))
     assert outcome == "chunk"
@@ -162,7 +163,7 @@ def test_padded_varints_read_as_protobuf_reads_them(padded: str, size: int) -> N
     data_len = _overlong(len(data), size) if padded == "data length" else bytes([len(data)])
     body = _field(transfer_id=5) + data_key + data_len + data + _field(crc32c=7)
     chunk_key = _overlong(2 << 3 | 2, size) if padded == "chunk key" else b"\x12"
-    chunk_len = _overlong(len(body), size) if padded == "chunk length" else wire._varint(len(body))
+    chunk_len = _overlong(len(body), size) if padded == "chunk length" else varint(len(body))
     for kind in ("learner", "synchronizer"):
         _same_as_protobuf(kind, chunk_key + chunk_len + body)
     if padded.startswith("data"):
@@ -179,7 +180,7 @@ def test_nesting_limits_are_the_whole_messages(depth: int) -> None:
     """Protobuf limits how deep messages nest; the fields read beside the data meet the limit at
     the depth they have in the whole message, not one level higher."""
     header = wire.header_to_pb(HEADER).SerializeToString() + _nested_groups(depth)
-    body = _field(transfer_id=1) + b"\x1a" + wire._varint(len(header)) + header + b"\x22\x03abc"
+    body = _field(transfer_id=1) + b"\x1a" + varint(len(header)) + header + b"\x22\x03abc"
     for kind in sorted(KINDS):
         _same_as_protobuf(kind, _wrap(kind, body))
 

@@ -79,17 +79,17 @@ def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _comm_timing(sync: Any, times: dict[str, list[float]]) -> Iterator[None]:
-    """Time the communication thread's encode (``Comm._encode`` of this learner) and decode
-    (``decode_fragment`` as the comm module calls it), restored on exit."""
-    from ddiloco.learner import comm
+    """Time the communication thread's encode (``Link._encode`` of this learner) and decode
+    (``decode_fragment`` as the session module calls it), restored on exit."""
+    from ddiloco.learner import session
 
-    sync.comm._encode = _timed(sync.comm._encode, times["encode"])
-    original = comm.decode_fragment
-    comm.decode_fragment = _timed(original, times["decode"])  # type: ignore[assignment]
+    sync.comm.link._encode = _timed(sync.comm.link._encode, times["encode"])
+    original = session.decode_fragment
+    session.decode_fragment = _timed(original, times["decode"])  # type: ignore[assignment]
     try:
         yield
     finally:
-        comm.decode_fragment = original  # type: ignore[assignment]
+        session.decode_fragment = original  # type: ignore[assignment]
 
 
 def _threads_of(pid: int) -> set[int]:

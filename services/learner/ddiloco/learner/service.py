@@ -11,7 +11,7 @@ evaluation, the ``speed`` and ``min_step_s`` knobs of experiments and tests, and
 
 A learner heals itself: when its loss is non-finite, when an outer gradient it is about to send is
 non-finite, or when the synchronizer refused its contributions of a fragment for their content
-``comm.HEAL_AFTER`` times in a row, the affected fragments go back to their base (the last
+``mailbox.HEAL_AFTER`` times in a row, the affected fragments go back to their base (the last
 global version applied), their optimizer moments start fresh, a fetch of the newest global
 version is queued, and the learner logs why and goes on. Nothing is sent from a broken state.
 """

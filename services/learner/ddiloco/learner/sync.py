@@ -54,10 +54,11 @@ from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
 from ddiloco.fragments.partition import partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.learner.comm import HEAL_AFTER, Arrival, Comm, Outgoing
+from ddiloco.learner.comm import Comm
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.local import LocalFragments
+from ddiloco.learner.mailbox import HEAL_AFTER, Arrival, Outgoing
 from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.ranks import DRAINED, FAILED, JOINED, Ranks
 from ddiloco.learner.settings import StepPace, SyncError, sync_config

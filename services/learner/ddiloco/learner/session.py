@@ -1,0 +1,387 @@
+"""The communication thread's side: the only owner of the gRPC stream.
+
+``Link.run`` is the thread's body. It runs its own asyncio loop: it connects, says Hello, joins
+(genesis upload or FetchState), then runs a sender, a receiver and a heartbeat task until the
+stream breaks (one session), and reconnects with exponential backoff and jitter (tenacity) while
+training goes on. Contributions sent but not yet answered are sent again after a reconnect,
+under the same sequence number; the synchronizer answers a duplicate of an already merged
+contribution without merging it twice. Everything it exchanges with training goes through the
+``Mailbox``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+
+from ddiloco.core.logs import get_logger
+from ddiloco.fragments.chunking import Transfer
+from ddiloco.fragments.codec import make_codec
+from ddiloco.fragments.error_feedback import ErrorFeedback
+from ddiloco.fragments.partition import FragmentLayout
+from ddiloco.fragments.payload import decode_fragment, encode_fragment
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.events import EventLog
+from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
+from ddiloco.protocol import wire
+from ddiloco.protocol.client import StreamClosed, SyncStream, message_limit, open_channel
+
+
+@dataclass
+class LiveStats:
+    step: int = 0
+    tokens_total: int = 0
+    tokens_per_s: float = 0.0
+    step_time_s: float = 0.0
+    """Recent wall time per inner step (what paces the fleet's clock)."""
+    training_done: bool = False
+
+
+@dataclass
+class JoinState:
+    """What the training thread needs from the first successful join."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    genesis: bool = False
+    fleet_step: int = 0
+    fetched: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    error: str | None = None
+
+
+class _Reconnect(Exception):
+    pass
+
+
+class ReconnectBackoff:
+    """The wait before each reconnection attempt: exponential with jitter, restarted by a session.
+
+    ``initial_s * 2**(n-1)`` capped at ``max_s``, plus uniform jitter of up to ``jitter_s``, where n
+    counts the failed attempts since the last session that connected and held (tenacity counts
+    attempts over the thread's whole life). Without the restart, a stream that broke after hours
+    of healthy streaming waited the ceiling reached during some earlier outage: measured 5 s
+    instead of ~0.1-0.6 s, while a fleet-wide merge (quorum 0) waited for that learner.
+    """
+
+    def __init__(self, *, initial_s: float = 0.1, max_s: float = 2.0, jitter_s: float = 0.5,
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if initial_s <= 0 or max_s < initial_s or jitter_s < 0:
+            raise ValueError("need 0 < initial_s <= max_s and jitter_s >= 0")
+        self.initial_s, self.max_s, self.jitter_s = initial_s, max_s, jitter_s
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._offset = 0
+        self._connected_at: float | None = None
+
+    def connected(self) -> None:
+        """A session got through Hello and the join. If it then lasts ``max_s`` or longer, the
+        next failure starts the sequence over; one that fails sooner (say, two processes with
+        the same id knocking each other off) keeps backing off."""
+        self._connected_at = self._clock()
+
+    def attempt(self, state: RetryCallState) -> int:
+        """Failed attempts since the last connected session (1 for the first)."""
+        return state.attempt_number - self._offset
+
+    def __call__(self, state: RetryCallState) -> float:
+        if self._connected_at is not None:
+            if self._clock() - self._connected_at >= self.max_s:
+                self._offset = state.attempt_number - 1
+            self._connected_at = None
+        n = self.attempt(state)
+        base = self.initial_s * 2.0 ** min(n - 1, 60)
+        return min(base, self.max_s) + self._rng.uniform(0.0, self.jitter_s)
+
+
+class Link:
+    """The learner's link to the synchronizer: one session after another until ``stop`` is set."""
+
+    def __init__(self, cfg: LearnerConfig, *, mailbox: Mailbox, stop: threading.Event, layout: FragmentLayout,
+                 model_fingerprint: str, incarnation: int, events: EventLog, held: Callable[[], dict[int, int]],
+                 genesis_values: Callable[[], dict[int, torch.Tensor]],
+                 labels: dict[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self.mailbox = mailbox
+        self.stop = stop
+        self.labels = dict(labels or {})
+        """Sent in every Hello (the synchronizer shows them in its status; ``model`` names the model)."""
+        self.layout = layout
+        self.model_fingerprint = model_fingerprint
+        self.incarnation = incarnation
+        self.events = events
+        self.held = held
+        self.genesis_values = genesis_values
+        self.learner_id = cfg.resolved_id
+        self.log = get_logger("ddiloco.learner.comm", learner_id=self.learner_id)
+        self.codec = make_codec(cfg.codec, zstd_level=cfg.zstd_level, threads=cfg.codec_threads)
+        self.feedback = ErrorFeedback() if cfg.error_feedback and not self.codec.lossless else None
+        self.stats = LiveStats()
+        self.join = JoinState()
+        self.joined = False
+        self.synchronizer_id = ""
+        self.draining = threading.Event()
+        self.connected = threading.Event()
+        self.goodbye = "stopping"
+        """The reason sent in the Goodbye when ``stop`` ends the session."""
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._beat: asyncio.Event | None = None
+        self._transfer_id = 0
+        self._heartbeat_s = cfg.heartbeat_s
+        self._backoff = ReconnectBackoff(max_s=cfg.reconnect_max_s)
+
+    # -- from the training thread ---------------------------------------------------------
+
+    def poke(self) -> None:
+        """Wake the sender (something to send or fetch, or ``stop``)."""
+        self._set_soon(self._wake)
+
+    def beat_now(self) -> None:
+        """Send a heartbeat now rather than at the next interval (the pace became known, training ended)."""
+        self._set_soon(self._beat)
+
+    def _set_soon(self, event: asyncio.Event | None) -> None:
+        loop = self._loop
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                loop.call_soon_threadsafe(event.set)
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The communication thread's body."""
+        try:
+            asyncio.run(self._main())
+        except Exception as exc:  # never kill the learner from here; report and end
+            self.log.exception("communication thread failed")
+            self.join.error = str(exc)
+            self.join.ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._beat = asyncio.Event()
+        backoff = self._backoff
+
+        def log_retry(state: Any) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            self.log.info("reconnecting", attempt=backoff.attempt(state), error=str(exc)[:200],
+                          wait_s=round(state.next_action.sleep, 3) if state.next_action else None)
+
+        # Any failure of a session (stream closed, RPC error, a bug in handling one message) ends
+        # that session only; the thread reconnects with backoff until the learner stops.
+        retry = AsyncRetrying(wait=backoff, retry=retry_if_exception_type(Exception), before_sleep=log_retry,
+                              reraise=True)
+        try:
+            async for attempt in retry:
+                with attempt:
+                    if self.stop.is_set():
+                        return
+                    await self._session()
+                    if self.stop.is_set():
+                        return
+                    raise _Reconnect("stream ended")
+        except Exception:
+            if not self.stop.is_set():
+                raise
+
+    async def _session(self) -> None:
+        cfg = self.cfg
+        creds = cfg.credentials
+        channel = open_channel(cfg.synchronizer, max_message_bytes=message_limit(cfg.protocol.max_chunk_bytes),
+                               credentials=creds)
+        stream = SyncStream(channel, max_chunk_bytes=cfg.protocol.max_chunk_bytes, token=creds.token)
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            welcome = await stream.open(self._hello())
+            if welcome.state == "genesis_pending":
+                raise _Reconnect("genesis pending at the synchronizer")
+            restarted = bool(self.synchronizer_id) and welcome.synchronizer_id != self.synchronizer_id
+            self.synchronizer_id = welcome.synchronizer_id
+            self._heartbeat_s = welcome.heartbeat_interval_s or cfg.heartbeat_s
+            await self._join(stream, welcome)
+            self.connected.set()
+            self._backoff.connected()
+            self.events.emit("connect", synchronizer_id=welcome.synchronizer_id, state=welcome.state,
+                             restarted=restarted)
+            self.mailbox.requeue_unacked()
+            tasks = [asyncio.create_task(self._sender(stream)), asyncio.create_task(self._receiver(stream)),
+                     asyncio.create_task(self._heartbeats(stream)), asyncio.create_task(self._stopper())]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                exc = t.exception()
+                if exc is not None:
+                    raise exc
+        except StreamClosed as exc:
+            if exc.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.UNAUTHENTICATED) and not self.joined:
+                # Refused at Hello (other model, layout, credentials): retrying cannot help.
+                self.join.error = f"{exc.code.name}: {exc.details}"
+                self.join.ready.set()
+                self.stop.set()
+            raise
+        finally:
+            self.connected.clear()
+            if self.stop.is_set():
+                # Say goodbye before cancelling the tasks: grpc cancels the whole call when a task
+                # is cancelled in the middle of a write, and the goodbye would never arrive.
+                await stream.close(self.goodbye)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await stream.close()
+            await channel.close()
+            if tasks:
+                self.events.emit("disconnect", synchronizer_id=self.synchronizer_id)
+
+    def _hello(self) -> wire.Hello:
+        return wire.Hello(
+            learner_id=self.learner_id, model_fingerprint=self.model_fingerprint,
+            layout_hash=self.layout.fingerprint, protocol=wire.ProtocolParams.from_config(self.cfg.protocol),
+            held=self.held() if self.joined else {}, incarnation=self.incarnation,
+            software_version=_version(), labels={**self.labels, "pid": str(os.getpid())})
+
+    async def _join(self, stream: SyncStream, welcome: wire.Welcome) -> None:
+        if welcome.state == "genesis_requested":
+            if self.joined:
+                raise _Reconnect("synchronizer lost its state and asks for genesis; refusing to re-seed it")
+            values = self.genesis_values()
+            for frag in self.layout:
+                self._transfer_id += 1
+                chunks = await asyncio.to_thread(
+                    encode_fragment, values[frag.index], frag, codec=make_codec("fp32"), kind="genesis", version=0,
+                    transfer_id=self._transfer_id, layout_hash=self.layout.fingerprint,
+                    max_chunk_bytes=self.cfg.protocol.max_chunk_bytes)
+                await stream.send_transfer(chunks)
+            self.joined = True
+            self.join.genesis = True
+            self.join.ready.set()
+            self.log.info("genesis uploaded", fragments=self.layout.num_fragments)
+            return
+        if not self.joined:
+            self.join.fleet_step = welcome.fleet_step
+            fetched = await self._fetch(stream, ())
+            self.join.fetched = {p: (a.version, a.values) for p, a in fetched.items()}
+            self.joined = True
+            self.join.ready.set()
+            self.log.info("state fetched", versions={p: v for p, (v, _) in self.join.fetched.items()})
+            return
+        held = self.held()
+        behind = tuple(p for p, v in welcome.versions.items() if v > held.get(p, -1))
+        if behind:  # broadcasts missed while disconnected
+            await self._fetch_deliver(stream, behind)
+
+    async def _fetch(self, stream: SyncStream, fragments: tuple[int, ...], resync: bool = False) -> dict[int, Arrival]:
+        transfers = await stream.fetch_state(self.learner_id, fragments)
+        out = {}
+        for t in transfers:
+            values = await asyncio.to_thread(decode_fragment, t, self.layout)
+            out[t.header.fragment_id] = Arrival(t.header.fragment_id, t.header.version, values, resync)
+            self.bytes_received += t.header.encoded_bytes
+        return out
+
+    async def _fetch_deliver(self, stream: SyncStream, fragments: tuple[int, ...], *, resync: bool = False,
+                             requeue: bool = False) -> None:
+        """Fetch the newest global version of ``fragments`` and deliver each. ``resync``: as a resync
+        arrival (applied as overwrite), with its error-feedback residual dropped. ``requeue``: if the
+        fetch fails, the fragments are wanted again, to be fetched on the next session."""
+        try:
+            fetched = await self._fetch(stream, fragments, resync=resync)
+        except BaseException:
+            if requeue:
+                self.mailbox.want_resync(fragments)
+            raise
+        for a in fetched.values():
+            self.mailbox.deliver(a)
+            if resync and self.feedback is not None:
+                self.feedback.reset(a.fragment)
+
+    async def _sender(self, stream: SyncStream) -> None:
+        assert self._wake is not None
+        while not self.stop.is_set():
+            wanted = self.mailbox.take_resync_wanted()
+            if wanted:
+                await self._fetch_deliver(stream, tuple(sorted(wanted)), resync=True, requeue=True)
+                continue
+            out = self.mailbox.next_outgoing()
+            if out is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if out.payload is None:
+                out.payload = await asyncio.to_thread(self._encode, out)
+            frag = self.layout[out.fragment]
+            self._transfer_id += 1
+            chunks = encode_fragment(out.delta, frag, codec=self.codec, kind="contribution",
+                                     version=out.base_version, transfer_id=self._transfer_id,
+                                     layout_hash=self.layout.fingerprint, sequence=out.sequence, tokens=out.tokens,
+                                     steps=out.steps, learner_step=out.learner_step, round=out.round,
+                                     max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload)
+            await stream.send_transfer(chunks)
+            self.bytes_sent += len(out.payload)
+
+    def _encode(self, out: Outgoing) -> bytes:
+        if self.feedback is None:
+            return self.codec.encode(out.delta)
+        # an earlier answer for the same fragment and base, still unanswered, is superseded by
+        # this one at the synchronizer (it holds that one's progress): start from its residual
+        replaces = self.mailbox.replaces(out)
+        payload, _ = self.feedback.encode(out.fragment, out.delta, self.codec, replaces=replaces)
+        return payload
+
+    async def _receiver(self, stream: SyncStream) -> None:
+        while True:
+            msg = await stream.receive()
+            if isinstance(msg, Transfer):
+                self.bytes_received += msg.header.encoded_bytes
+                values = await asyncio.to_thread(decode_fragment, msg, self.layout)
+                self.mailbox.deliver(Arrival(msg.header.fragment_id, msg.header.version, values))
+            elif isinstance(msg, wire.ContributionResult):
+                self.mailbox.settle(msg)
+                self.events.emit("result", sequence=msg.sequence, fragment=msg.fragment_id, outcome=msg.outcome,
+                                 version=msg.version, reason=msg.reason, weight=msg.weight,
+                                 staleness=msg.staleness, detail=msg.detail)
+                if msg.outcome == "rejected" and self.feedback is not None:
+                    self.feedback.reset(msg.fragment_id)
+            elif isinstance(msg, wire.Resync):
+                self.log.warning("resync requested", fragments=msg.fragment_ids, reason=msg.reason)
+                await self._fetch_deliver(stream, msg.fragment_ids, resync=True)
+            elif isinstance(msg, wire.Drain):
+                self.log.info("drain requested", reason=msg.reason)
+                self.draining.set()
+            elif isinstance(msg, wire.FragmentRequest):
+                self.mailbox.add_request(msg)
+
+    async def _heartbeats(self, stream: SyncStream) -> None:
+        assert self._beat is not None
+        while True:
+            s = self.stats
+            self._beat.clear()
+            await stream.send(wire.Heartbeat(step=s.step, tokens_total=s.tokens_total, tokens_per_s=s.tokens_per_s,
+                                             step_time_s=s.step_time_s, sent_at_unix=time.time(),
+                                             training_done=s.training_done))
+            with contextlib.suppress(TimeoutError):  # every interval, or at once when training ends
+                await asyncio.wait_for(self._beat.wait(), timeout=self._heartbeat_s)
+
+    async def _stopper(self) -> None:
+        assert self._wake is not None
+        while not self.stop.is_set():
+            await asyncio.sleep(0.1)
+
+
+def _version() -> str:
+    from ddiloco.core import __version__
+
+    return __version__
