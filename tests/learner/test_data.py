@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco.learner import data as data_mod
-from ddiloco.learner.data import (
+from ddiloco.training import data as data_mod
+from ddiloco.training.data import (
     DataConfig,
     TokenShard,
     eval_batches,
@@ -24,7 +24,7 @@ from ddiloco.learner.data import (
     stdlib_cache_path,
     unigram_entropy,
 )
-from ddiloco.learner.model import ModelConfig
+from ddiloco.training.model import ModelConfig
 
 CAP = 1 << 20
 
@@ -122,7 +122,7 @@ def test_cache_hit_gives_identical_arrays(
 def test_concurrent_cold_loads_agree(tmp_path: Path, corpus: data_mod.Corpus) -> None:
     script = (
         "import hashlib, sys\n"
-        "from ddiloco.learner.data import DataConfig, load_corpus\n"
+        "from ddiloco.training.data import DataConfig, load_corpus\n"
         f"c = load_corpus(DataConfig(max_bytes={CAP}, cache_dir=sys.argv[1]))\n"
         "print(hashlib.sha256(c.train.tobytes() + c.eval.tobytes()).hexdigest())\n"
     )

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddiloco.learner import data as data_mod
-from ddiloco.learner import prepare_data
-from ddiloco.learner.data import DataConfig, load_corpus, split_files
-from ddiloco.learner.model import ModelConfig
+from ddiloco.training import data as data_mod
+from ddiloco.training import prepare_data
+from ddiloco.training.data import DataConfig, load_corpus, split_files
+from ddiloco.training.model import ModelConfig
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -75,7 +75,7 @@ def texts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _command(*args: object, installed: bool = False) -> list[str]:
-    head = [str(DDILOCO), "prepare-data"] if installed else [sys.executable, "-m", "ddiloco.learner.prepare_data"]
+    head = [str(DDILOCO), "prepare-data"] if installed else [sys.executable, "-m", "ddiloco.training.prepare_data"]
     return [*head, *map(str, args)]
 
 
@@ -175,7 +175,7 @@ def test_tokenizer_file_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         DataConfig(corpus=f"text-dir:{tmp_path}", tokenizer=str(tmp_path / "broken.json")).corpus_vocab_size()
     _bpe(tmp_path / "fresh.json", [EOT])
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # the import fails even though it is installed
-    with pytest.raises(ValueError, match=r"pip install 'ddiloco-learner\[hf\]'"):
+    with pytest.raises(ValueError, match=r"pip install 'ddiloco-training\[hf\]'"):
         DataConfig(corpus=f"text-dir:{tmp_path}", tokenizer=str(tmp_path / "fresh.json")).corpus_vocab_size()
     assert prepare_data.main(["--input", str(tmp_path), "--out", str(tmp_path / "o"),
                               "--tokenizer", str(tmp_path / "fresh.json")]) == 2

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from ddiloco.learner.config import TrainConfig
-from ddiloco.learner.inner_loop import lr_at
 from ddiloco.learner.service import fleet_progress
+from ddiloco.training.config import TrainConfig
+from ddiloco.training.inner_loop import lr_at
 from tests.procs import synchronizer
 
 

@@ -577,7 +577,7 @@ def _import_tokenizers(path: Path) -> Any:
     except ImportError:
         raise ValueError(
             f"tokenizer {str(path)!r}: reading a tokenizer.json needs the tokenizers package: "
-            "pip install 'ddiloco-learner[hf]'"
+            "pip install 'ddiloco-training[hf]'"
         ) from None
 
 
