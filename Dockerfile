@@ -61,7 +61,7 @@ FROM build AS build-learner
 ARG PIP_OFFLINE=0
 RUN set -eu; \
     if [ "$PIP_OFFLINE" = 1 ]; then export PIP_NO_INDEX=1; fi; \
-    cd /src && /opt/ddiloco/bin/pip install --find-links docker/wheels ./libs/algorithm ./services/learner
+    cd /src && /opt/ddiloco/bin/pip install --find-links docker/wheels ./libs/algorithm ./libs/training ./services/learner
 
 FROM runtime AS learner
 EXPOSE 9101

@@ -9,8 +9,8 @@ TORCH_SPEC ?= torch==$(TORCH_VERSION)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Every distribution of the workspace, lowest layer first (see pyproject.toml).
-PARTS := libs/core libs/fragments libs/protocol libs/algorithm libs/simulator services/synchronizer \
-         services/learner lab
+PARTS := libs/core libs/fragments libs/protocol libs/algorithm libs/simulator libs/training \
+         services/synchronizer services/learner lab
 PYPROJECTS := pyproject.toml $(addsuffix /pyproject.toml,$(PARTS))
 
 .PHONY: install run test test-fast lint bench protos clean
@@ -43,7 +43,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/mypy libs/fragments/ddiloco libs/algorithm/ddiloco libs/core/ddiloco lab/ddiloco
+	$(BIN)/mypy libs/fragments/ddiloco libs/algorithm/ddiloco libs/core/ddiloco libs/training/ddiloco lab/ddiloco
 
 bench: $(STAMP)
 	$(BIN)/ddiloco bench codec

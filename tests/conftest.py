@@ -5,8 +5,8 @@ Tests drive real servers on 127.0.0.1:0 and real processes.
 Tiers (``make test-fast`` runs the first; ``make test``, what CI runs, runs all three):
 
 - fast (no marker): what runs in one process, plus quick calls of external checkers (helm,
-  lint-imports): algorithm, fragments, protocol, simulator, config, in-process services, the
-  chart and the chaos manifests.
+  lint-imports): algorithm, fragments, protocol, simulator, training, config, in-process
+  services, the chart and the chaos manifests.
 - ``e2e``: starts ddiloco processes (the services, ``ddiloco run``, benchmarks, examples).
 - ``system``: containers, images, packaging, fuzzing.
 
@@ -51,11 +51,6 @@ E2E = (
     "tests/learner/test_decoupled_sync.py",
     "tests/learner/test_eval_cmd.py",
     "tests/learner/test_join.py",
-    "tests/learner/test_model.py::test_build_is_identical_in_another_process",
-    "tests/learner/test_prepare_data.py::test_bad_inputs_exit_2_and_write_nothing",
-    "tests/learner/test_prepare_data.py::test_cli_",
-    "tests/learner/test_prepare_data.py::test_refusals_and_force_leave_the_folder_untouched",
-    "tests/learner/test_prepare_data.py::test_sigterm_mid_write_leaves_nothing",
     "tests/learner/test_resume.py",
     "tests/protocol/test_status_cli.py",
     "tests/security/test_regressions.py::test_a_learner_reporting_a_tiny_step_time_does_not_stall_the_synchronizer",
@@ -65,6 +60,11 @@ E2E = (
     "tests/synchronizer/test_secrets_hygiene.py",
     "tests/test_cli_startup.py",
     "tests/test_config.py::test_services_refuse_a_bad_file_with_the_field_and_start_nothing",
+    "tests/training/test_model.py::test_build_is_identical_in_another_process",
+    "tests/training/test_prepare_data.py::test_bad_inputs_exit_2_and_write_nothing",
+    "tests/training/test_prepare_data.py::test_cli_",
+    "tests/training/test_prepare_data.py::test_refusals_and_force_leave_the_folder_untouched",
+    "tests/training/test_prepare_data.py::test_sigterm_mid_write_leaves_nothing",
 )
 
 

@@ -25,7 +25,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PARTS = {
     "ddiloco-core": "libs/core", "ddiloco-fragments": "libs/fragments", "ddiloco-protocol": "libs/protocol",
-    "ddiloco-algorithm": "libs/algorithm", "ddiloco-simulator": "libs/simulator",
+    "ddiloco-algorithm": "libs/algorithm", "ddiloco-simulator": "libs/simulator", "ddiloco-training": "libs/training",
     "ddiloco-synchronizer": "services/synchronizer", "ddiloco-learner": "services/learner", "ddiloco-lab": "lab",
 }
 LAB_ONLY = ("matplotlib", "tqdm")
@@ -52,11 +52,11 @@ def _closure(part: str) -> tuple[set[str], set[str]]:
     return parts, third
 
 
-@pytest.mark.parametrize("service, other", [("ddiloco-synchronizer", "ddiloco-learner"),
-                                            ("ddiloco-learner", "ddiloco-synchronizer")])
-def test_a_service_depends_on_libraries_only(service: str, other: str) -> None:
+@pytest.mark.parametrize("service, others", [("ddiloco-synchronizer", ("ddiloco-learner", "ddiloco-training")),
+                                             ("ddiloco-learner", ("ddiloco-synchronizer",))])
+def test_a_service_depends_on_libraries_only(service: str, others: tuple[str, ...]) -> None:
     parts, third = _closure(service)
-    assert other not in parts and "ddiloco-lab" not in parts and "ddiloco-simulator" not in parts, parts
+    assert not parts & {*others, "ddiloco-lab", "ddiloco-simulator"}, parts
     assert not third & set(LAB_ONLY), third
     for part in parts:
         version = tomllib.loads((ROOT / PARTS[part] / "pyproject.toml").read_text())["project"]["version"]
@@ -131,17 +131,19 @@ def _import_all(target: pathlib.Path, third_party: pathlib.Path, cwd: pathlib.Pa
                           cwd=cwd, env=env, timeout=300)
 
 
-@pytest.mark.parametrize("service, package, commands", [
-    ("ddiloco-synchronizer", "ddiloco.synchronizer", ["certs", "export", "status", "synchronizer"]),
-    ("ddiloco-learner", "ddiloco.learner", ["certs", "eval", "learner", "prepare-data", "status"]),
+@pytest.mark.parametrize("service, packages, others, commands", [
+    ("ddiloco-synchronizer", ["ddiloco.synchronizer"], ("ddiloco.learner", "ddiloco.training"),
+     ["certs", "export", "status", "synchronizer"]),
+    ("ddiloco-learner", ["ddiloco.learner", "ddiloco.training"], ("ddiloco.synchronizer",),
+     ["certs", "eval", "learner", "prepare-data", "status"]),
 ])
-def test_a_service_image_runs_without_the_lab(tmp_path, wheels, third_party, service, package, commands) -> None:
+def test_a_service_image_runs_without_the_lab(tmp_path, wheels, third_party, service, packages, others,
+                                              commands) -> None:
     parts, _ = _closure(service)
     target = tmp_path / "site"
     _install(wheels, parts, target)
-    blocked = (*LAB_ONLY, "ddiloco.lab", "ddiloco.simulator",
-               "ddiloco.learner" if service == "ddiloco-synchronizer" else "ddiloco.synchronizer")
-    probe = _import_all(target, third_party, tmp_path, [package, "ddiloco.protocol", "ddiloco.fragments"], blocked)
+    blocked = (*LAB_ONLY, "ddiloco.lab", "ddiloco.simulator", *others)
+    probe = _import_all(target, third_party, tmp_path, [*packages, "ddiloco.protocol", "ddiloco.fragments"], blocked)
     assert probe.returncode == 0 and probe.stdout.strip() == "ok", probe.stderr[-3000:]
     listing = _probe(target, third_party, tmp_path, "--help", blocked=blocked)
     assert listing.returncode == 0, listing.stderr
@@ -158,7 +160,7 @@ def test_everything_together_carries_every_module_and_the_cli(tmp_path, wheels, 
     target = tmp_path / "site"
     _install(wheels, set(PARTS), target)
     packages = ["ddiloco.core", "ddiloco.fragments", "ddiloco.protocol", "ddiloco.v1", "ddiloco.algorithm",
-                "ddiloco.simulator", "ddiloco.synchronizer", "ddiloco.learner", "ddiloco.lab"]
+                "ddiloco.simulator", "ddiloco.training", "ddiloco.synchronizer", "ddiloco.learner", "ddiloco.lab"]
     probe = _import_all(target, third_party, tmp_path, packages, ())
     assert probe.returncode == 0 and probe.stdout.strip() == "ok", probe.stderr[-3000:]
     assert (target / "ddiloco" / "v1" / "synchronizer_pb2.pyi").exists(), "type stubs of the generated code ship"

@@ -29,6 +29,6 @@ def test_every_entry_names_a_folder_a_file_or_tests_that_exist() -> None:
 def test_a_test_falls_in_the_tier_of_its_place() -> None:
     assert tier("tests/containers/test_images.py::test_real_images") == "system"
     assert tier("tests/lab/test_chaos.py::test_mixed_plan") == "e2e"
-    assert tier("tests/learner/test_model.py::test_build_is_identical_in_another_process") == "e2e"
-    assert tier("tests/learner/test_model.py::test_forward_shapes") is None
+    assert tier("tests/training/test_model.py::test_build_is_identical_in_another_process") == "e2e"
+    assert tier("tests/training/test_model.py::test_forward_shapes") is None
     assert tier("tests/algorithm/test_merge.py::test_rda") is None

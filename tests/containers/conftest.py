@@ -295,7 +295,7 @@ def service_images(docker_client) -> dict[str, str]:
             [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "-w", str(wheels),
              f"torch=={torch_version}",
              "setuptools>=69", "wheel", *(str(ctx / p) for p in (
-                 "libs/core", "libs/fragments", "libs/protocol", "libs/algorithm",
+                 "libs/core", "libs/fragments", "libs/protocol", "libs/algorithm", "libs/training",
                  "services/synchronizer", "services/learner"))],
             capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]

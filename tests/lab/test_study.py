@@ -17,7 +17,7 @@ from ddiloco.lab.study.case import Case, parse_case
 from ddiloco.lab.study.cli import main
 from ddiloco.lab.study.reference import MODELS, run_case
 from ddiloco.lab.study.store import Results, ResultsError
-from ddiloco.learner.model import ModelConfig, build_model
+from ddiloco.training.model import ModelConfig, build_model
 
 SMALL = {"steps": 4, "eval_batches": 2, "curve_points": 1}
 

@@ -201,7 +201,7 @@ def test_the_example_trains_two_learners_that_merge_and_its_export_evaluates_lik
     # reloaded in Python into the user's own class, with one call
     from safetensors.torch import load_file
 
-    from ddiloco.learner.export_io import load_exported
+    from ddiloco.training.export_io import load_exported
 
     sys.path.insert(0, str(EXAMPLE.parent))
     try:

@@ -25,12 +25,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ddiloco.learner.config import learner_config, load_learner_config
-from ddiloco.learner.data import eval_batches, load_corpus
 from ddiloco.learner.eval_cmd import EvalError, evaluate_weights
 from ddiloco.learner.eval_cmd import main as eval_main
-from ddiloco.learner.export_io import ExportLoadError, load_exported, read_export_metadata
-from ddiloco.learner.inner_loop import evaluate
-from ddiloco.learner.model import ModelConfig, build_model, model_fingerprint
+from ddiloco.training.data import eval_batches, load_corpus
+from ddiloco.training.export_io import ExportLoadError, load_exported, read_export_metadata
+from ddiloco.training.inner_loop import evaluate
+from ddiloco.training.model import ModelConfig, build_model, model_fingerprint
 from tests.procs import synchronizer
 
 TOKEN = "eval-test-token-0123456789abcdef"

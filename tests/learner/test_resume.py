@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from ddiloco.algorithm.fleet_clock import fleet_progress
-from ddiloco.learner.config import TrainConfig
-from ddiloco.learner.inner_loop import lr_at
+from ddiloco.training.config import TrainConfig
+from ddiloco.training.inner_loop import lr_at
 from tests.procs import synchronizer
 
 

@@ -19,10 +19,10 @@ import torch
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.global_eval import write_point
 from ddiloco.learner.config import load_learner_config
-from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
 from ddiloco.learner.events import EventLog
-from ddiloco.learner.inner_loop import InnerLoop, evaluate, resolve_device
-from ddiloco.learner.model import build_model, num_params
+from ddiloco.training.data import TokenShard, eval_batches, load_corpus, shard_generator
+from ddiloco.training.inner_loop import InnerLoop, evaluate, resolve_device
+from ddiloco.training.model import build_model, num_params
 
 
 def run_dp(doc: dict[str, Any], out: pathlib.Path, show_progress: bool = False) -> dict[str, Any]:

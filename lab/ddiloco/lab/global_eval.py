@@ -36,10 +36,10 @@ from ddiloco.fragments.partition import partition_tensors
 from ddiloco.fragments.payload import decode_fragment
 from ddiloco.lab.event_logs import load_jsonl
 from ddiloco.learner.config import load_learner_config
-from ddiloco.learner.data import eval_batches, load_corpus
-from ddiloco.learner.inner_loop import evaluate
-from ddiloco.learner.model import build_model
 from ddiloco.protocol.client import fetch_state
+from ddiloco.training.data import eval_batches, load_corpus
+from ddiloco.training.inner_loop import evaluate
+from ddiloco.training.model import build_model
 
 CURVE_FILE = "global_eval.jsonl"
 

@@ -123,7 +123,7 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
     from ddiloco.lab.global_eval import read_curve
     from ddiloco.lab.goodput import fleet_summary
     from ddiloco.lab.invariants import check as check_invariants
-    from ddiloco.learner.data import load_corpus, unigram_entropy
+    from ddiloco.training.data import load_corpus, unigram_entropy
 
     run = doc["run"]
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}

@@ -230,9 +230,9 @@ def _torch_threads(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any, Any, dict[str, Any]]:
     """Validated (ModelConfig, the model, TrainConfig, protocol section) or a usage error (exit 2),
     before anything is started."""
-    from ddiloco.learner.config import TrainConfig
-    from ddiloco.learner.model import ModelConfig
     from ddiloco.protocol.config import ProtocolConfig
+    from ddiloco.training.config import TrainConfig
+    from ddiloco.training.model import ModelConfig
 
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.batch_size < 1 or args.threads < 0:
         parser.error("need --steps >= 1, --warmup >= 0, --repeats >= 1, --batch-size >= 1, --threads >= 0")
@@ -252,7 +252,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[A
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     from ddiloco.fragments.partition import partition_tensors
-    from ddiloco.learner.model import build_model
+    from ddiloco.training.model import build_model
 
     model = build_model(model_cfg, seed=0)
     fragments = ProtocolConfig(**protocol).num_fragments
@@ -310,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, protocol: dict[str, Any],
          threads: int, work: pathlib.Path) -> int:
     from ddiloco.lab.cluster import LocalCluster
-    from ddiloco.learner.inner_loop import InnerLoop
-    from ddiloco.learner.model import model_fingerprint, num_params
     from ddiloco.learner.sync import DecoupledSync, SyncError
+    from ddiloco.training.inner_loop import InnerLoop
+    from ddiloco.training.model import model_fingerprint, num_params
 
     cpus_allowed = available_cpus()  # before --pin narrows this thread's own
     cfg_path = work / "config.yaml"

@@ -62,9 +62,9 @@ def _replica(a: argparse.Namespace, emit: Any) -> int:
     from torchft.process_group import ProcessGroupGloo
 
     from ddiloco.fragments.partition import partition_tensors
-    from ddiloco.learner.config import TrainConfig
-    from ddiloco.learner.inner_loop import InnerLoop
-    from ddiloco.learner.model import ModelConfig, build_model
+    from ddiloco.training.config import TrainConfig
+    from ddiloco.training.inner_loop import InnerLoop
+    from ddiloco.training.model import ModelConfig, build_model
 
     torch.set_num_threads(1)
     model_cfg = ModelConfig(d_model=a.d_model, n_layer=a.n_layer, n_head=a.n_head, context=a.context)

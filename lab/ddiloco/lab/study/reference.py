@@ -43,10 +43,10 @@ from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.lab.study.case import CONTEXT, Case
-from ddiloco.learner.config import TrainConfig
-from ddiloco.learner.data import DataConfig, TokenShard, eval_batches, load_corpus, shard_generator
-from ddiloco.learner.inner_loop import InnerLoop, evaluate
-from ddiloco.learner.model import ModelConfig, build_model, num_params
+from ddiloco.training.config import TrainConfig
+from ddiloco.training.data import DataConfig, TokenShard, eval_batches, load_corpus, shard_generator
+from ddiloco.training.inner_loop import InnerLoop, evaluate
+from ddiloco.training.model import ModelConfig, build_model, num_params
 
 MODELS: dict[str, dict[str, Any]] = {
     "default": {},

@@ -62,7 +62,7 @@ def _positive_float(text: str) -> float:
 # -- weights from an exported file ----------------------------------------------------------------
 
 def _load_file(model: torch.nn.Module, path: str, fingerprint: str, *, ignore_fingerprint: bool) -> dict[str, Any]:
-    from ddiloco.learner.export_io import ExportLoadError, load_exported, read_export_metadata
+    from ddiloco.training.export_io import ExportLoadError, load_exported, read_export_metadata
 
     try:
         meta = read_export_metadata(path)
@@ -215,9 +215,9 @@ def evaluate_weights(cfg: Any, *, model_file: str | None = None, synchronizers: 
                      ignore_fingerprint: bool = False) -> dict[str, Any]:
     """Build the model of ``cfg``, load weights from ``model_file`` or ``synchronizers``, evaluate
     it on the held-out split; the result as a dict (see ``main``). Raises EvalError."""
-    from ddiloco.learner.data import eval_batches, load_corpus
-    from ddiloco.learner.inner_loop import evaluate, resolve_device
-    from ddiloco.learner.model import build_model, model_fingerprint
+    from ddiloco.training.data import eval_batches, load_corpus
+    from ddiloco.training.inner_loop import evaluate, resolve_device
+    from ddiloco.training.model import build_model, model_fingerprint
 
     if (model_file is None) == (not synchronizers):
         raise EvalError("give either a model file or a synchronizer address")

@@ -28,10 +28,10 @@ from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.resources import available_cpus
 from ddiloco.learner.config import LearnerConfig
-from ddiloco.learner.data import TokenShard, eval_batches, load_corpus, shard_generator
-from ddiloco.learner.inner_loop import InnerLoop, resolve_device
-from ddiloco.learner.model import build_model, model_fingerprint, num_params
 from ddiloco.learner.sync import DecoupledSync, SyncError
+from ddiloco.training.data import TokenShard, eval_batches, load_corpus, shard_generator
+from ddiloco.training.inner_loop import InnerLoop, resolve_device
+from ddiloco.training.model import build_model, model_fingerprint, num_params
 
 
 class LearnerError(SyncError):

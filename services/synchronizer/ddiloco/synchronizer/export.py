@@ -3,7 +3,7 @@
 The synchronizer's state dir holds the global model as P flat fp32 fragments (``store``); this
 command turns the newest committed version of each into the model's named tensors and writes one
 safetensors file that ``safetensors.torch.load_file`` / ``model.load_state_dict`` (or
-``ddiloco.learner.export_io.load_exported``) reads back.
+``ddiloco.training.export_io.load_exported``) reads back.
 
 Design decisions:
 

@@ -14,7 +14,7 @@ import pytest
 import structlog
 import torch
 
-from ddiloco.learner.data import (
+from ddiloco.training.data import (
     DataConfig,
     TokenSequence,
     TokenShard,
@@ -23,7 +23,7 @@ from ddiloco.learner.data import (
     shard_generator,
     unigram_entropy,
 )
-from ddiloco.learner.model import ModelConfig
+from ddiloco.training.model import ModelConfig
 
 DTYPES = {"uint16": "<u2", "uint32": "<u4"}
 

@@ -13,7 +13,7 @@ import torch
 
 from ddiloco.core.config import ConfigError
 from ddiloco.learner.config import learner_config
-from ddiloco.learner.model import ModelConfig, build_model, lm_forward, model_fingerprint, model_section
+from ddiloco.training.model import ModelConfig, build_model, lm_forward, model_fingerprint, model_section
 
 FACTORY = '''
 import torch

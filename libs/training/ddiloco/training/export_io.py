@@ -20,7 +20,7 @@ too; this helper adds what that does not:
   and on its device, one tensor at a time, so a bf16 or GPU model loads an fp32 file without a
   second full copy of the model in memory.
 
-This module belongs to the learner package (it never imports the synchronizer's): whoever loads
+This module belongs to the training library (it never imports a service): whoever loads
 a trained model needs the model's code, not the service that trained it.
 """
 

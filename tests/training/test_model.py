@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddiloco.learner.model import (
+from ddiloco.training.model import (
     GPT,
     MODEL_KINDS,
     ModelConfig,
@@ -147,7 +147,7 @@ def test_build_is_identical_in_another_process() -> None:
         import hashlib, torch
         torch.set_num_threads(1)
         torch.manual_seed(5)
-        from ddiloco.learner.model import ModelConfig, build_model, model_fingerprint
+        from ddiloco.training.model import ModelConfig, build_model, model_fingerprint
         cfg = ModelConfig(kind="moe", context=32, d_model=32, n_layer=2, n_head=2)
         m = build_model(cfg, seed=42)
         h = hashlib.sha256()

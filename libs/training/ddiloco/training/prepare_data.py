@@ -10,7 +10,7 @@ Design decisions:
 - **The same corpus as ``text-dir:``.** File selection (``--max-bytes``, the salted-hash order),
   the eval split (``is_eval_file`` on the relative path, with the same fallback for a folder
   where no file hashes into eval), document order and separators all come from
-  ``ddiloco.learner.data``: ``tokens:DIR`` after ``prepare-data --input SRC`` trains on exactly the
+  ``ddiloco.training.data``: ``tokens:DIR`` after ``prepare-data --input SRC`` trains on exactly the
   tokens of ``text-dir:SRC`` with the same tokenizer, cap and eval modulus. With several inputs a
   file's relative path is prefixed with its input's folder name (``a/x.txt``, ``b/x.txt``), so
   the split stays a property of each file. When there is nothing to split by file (one file, or
@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ddiloco.learner.data import (
+from ddiloco.training.data import (
     META_NAME,
     TOKEN_DTYPES,
     TOKENS_FORMAT,

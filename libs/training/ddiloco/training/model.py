@@ -335,7 +335,7 @@ def hf_config(cfg: ModelConfig) -> Any:
     try:
         transformers = importlib.import_module("transformers")
     except ImportError:
-        raise ValueError("model kind 'hf' needs the transformers package: pip install 'ddiloco-learner[hf]'") from None
+        raise ValueError("model kind 'hf' needs the transformers package: pip install 'ddiloco-training[hf]'") from None
     path = Path(cfg.ref).expanduser()
     if not path.exists():
         raise ValueError(f"model kind 'hf': {path} does not exist (a config.json or a folder holding one)")

@@ -14,8 +14,8 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from ddiloco.learner.config import TrainConfig
-from ddiloco.learner.model import lm_forward
+from ddiloco.training.config import TrainConfig
+from ddiloco.training.model import lm_forward
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,7 +46,8 @@ def lr_at(step: int, cfg: TrainConfig, resumed_at: int = 0) -> float:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -83,6 +84,7 @@ class InnerLoop:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with self.autocast:
             _, loss = lm_forward(self.model, x, y)
+        assert loss is not None  # lm_forward gives a loss whenever it is given targets
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.grad_clip > 0:
