@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from ddiloco.core import events as schema
 from ddiloco.core.resources import available_cpus, with_huge_pages
 from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
 from ddiloco.lab.event_logs import Tail
@@ -128,7 +129,7 @@ class LocalCluster:
             tail = self._tails.setdefault(lid, Tail(self.out / "learners" / f"{lid}.jsonl"))
             spans = self._step_span.setdefault(lid, {})
             for e in tail.read():
-                if e.get("event") == "step":
+                if e.get("event") == schema.STEP:
                     first, _ = spans.get(e["incarnation"], (e["step"], e["step"]))
                     spans[e["incarnation"]] = (first, e["step"])
             return dict(spans)
@@ -223,7 +224,7 @@ class LocalCluster:
         proc.wait()
         with open(self.out / "synchronizer.jsonl", "a") as f:
             # no leading newline: a line the killed process left half-written is recovered by the reader
-            f.write(json.dumps({"event": "sync_stop", "t": time.time()}) + "\n")
+            f.write(json.dumps(schema.record(schema.SYNCHRONIZER_LOG, schema.SYNC_STOP, {}, t=time.time())) + "\n")
         self._restart_later(e.restart_after_s if e.restart_after_s is not None else 1.0, self.start_synchronizer)
 
     def _net(self, e: FaultEvent) -> None:
