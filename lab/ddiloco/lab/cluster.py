@@ -31,10 +31,10 @@ def _cli() -> list[str]:
     return [sys.executable, "-m", "ddiloco.core.cli"]
 
 
-def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: float) -> int:
-    """The port of a synchronizer started with ``--ready-file READY``, once it serves (it writes
-    the file atomically then). Raises ``RuntimeError`` if ``proc`` exits first or ``timeout_s``
-    seconds pass."""
+def wait_ready_info(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: float) -> dict[str, Any]:
+    """What a synchronizer started with ``--ready-file READY`` writes there once it serves (its
+    ``port``, ``metrics_port``...; it writes the file atomically). Raises ``RuntimeError`` if
+    ``proc`` exits first or ``timeout_s`` seconds pass."""
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if proc.poll() is not None:
@@ -42,7 +42,14 @@ def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: floa
         if time.monotonic() > deadline:
             raise RuntimeError(f"synchronizer did not start serving within {timeout_s:g}s")
         time.sleep(0.05)
-    return int(json.loads(ready.read_text())["port"])
+    info: dict[str, Any] = json.loads(ready.read_text())
+    return info
+
+
+def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: float) -> int:
+    """The port of a synchronizer started with ``--ready-file READY``, once it serves
+    (``wait_ready_info``)."""
+    return int(wait_ready_info(proc, ready, timeout_s)["port"])
 
 
 class LocalCluster:
