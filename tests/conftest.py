@@ -25,6 +25,9 @@ from hypothesis import HealthCheck, settings
 # Two cores here: keep torch from oversubscribing when tests start several processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("DDILOCO_LOG_JSON", "1")
+# An event that does not match its spec in ddiloco.core.events raises, here and in every process
+# the tests start (a deployed service logs it and writes the line).
+os.environ.setdefault("DDILOCO_STRICT_EVENTS", "1")
 
 # Every property test draws the same examples on every run and every machine (a failure in CI
 # fails again on a rerun), keeps no example database, and has no time limits (a slow machine is

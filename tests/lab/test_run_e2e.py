@@ -19,6 +19,7 @@ import time
 import pytest
 import yaml
 
+from ddiloco.lab.cluster import wait_ready
 from ddiloco.lab.event_logs import load_jsonl
 from tests.procs import children_of, gone, run_tree
 
@@ -198,10 +199,7 @@ def test_late_learner_fetches_state_and_contributes(tmp_path):
                                 stderr=open(tmp_path / "sync.log", "wb"), env=env)  # noqa: SIM115
         procs.append(sync)
         deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert sync.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        target = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+        target = f"127.0.0.1:{wait_ready(sync, ready, timeout_s=60)}"
 
         def learner(i: int, steps: int) -> subprocess.Popen:
             return subprocess.Popen([*cli, "learner", "--synchronizer", target, "--learner-id", f"learner-{i}",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.core import events as schema
 from ddiloco.lab.bench import cli
 from ddiloco.lab.bench import torchft as tft
 from tests.procs import run_tree
@@ -113,7 +114,7 @@ def test_tiny_torchft_overhead_run_leaves_nothing_running(tmp_path):
     for replica in o["per_replica"].values():
         assert replica["syncs"] == 2 and replica["commits"] == 2 and replica["min_participants"] == 2
     pids = [e["pid"] for f in (work / "torchft" / "overhead").glob("replica-*.jsonl")
-            for e in tft.read_events(f) if e["event"] == "ready"]
+            for e in tft.replica_events(f) if e["event"] == schema.READY]
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
 
 

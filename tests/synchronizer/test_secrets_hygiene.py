@@ -14,8 +14,9 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
+
+from ddiloco.lab.cluster import wait_ready_info
 
 CONFIG = """
 protocol: {num_fragments: 2, sync_every: 8, overlap: 2}
@@ -48,11 +49,7 @@ def test_tokens_appear_in_no_log_metric_status_or_command_line(tmp_path: pathlib
                                  "--event-log", str(tmp_path / "sync.jsonl"), "--ready-file", str(ready)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert sync.poll() is None and time.monotonic() < deadline, "synchronizer did not start"
-            time.sleep(0.1)
-        info = json.loads(ready.read_text())
+        info = wait_ready_info(sync, ready, timeout_s=60)
         target = f"127.0.0.1:{info['port']}"
         learner = subprocess.run(  # the token from the environment (a Secret exposed as a variable)
             _cli("learner", "--synchronizer", target, "--learner-id", "learner-0", "--config", str(cfg),

@@ -39,6 +39,7 @@ from typing import Any, Literal, get_args
 
 from pydantic.dataclasses import dataclass as config_dataclass
 
+from ddiloco.core import events as schema
 from ddiloco.core.config import STRICT, build, read_file
 
 Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain", "nan", "corrupt", "inflate"]
@@ -247,12 +248,13 @@ class ChaosDriver:
                 self._inject(event)
 
     def _inject(self, event: FaultEvent) -> None:
-        record = {"event": "fault", "t": time.time(), **dataclasses.asdict(event)}
+        record: dict[str, Any] = {"event": schema.FAULT, "t": time.time(), **dataclasses.asdict(event)}
         try:
             self.actions[event.kind](event)
             record["ok"] = True
         except Exception as exc:  # a fault that cannot be injected is recorded, not fatal
             record["ok"] = False
             record["error"] = str(exc)
+        schema.validate(schema.FAULTS_LOG, schema.FAULT, record.keys() - {"event", "t"})
         self.injected.append(record)
         self.log(record)

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from ddiloco.core import events as schema
 from ddiloco.core.resources import available_cpus, with_huge_pages
 from ddiloco.lab.chaos import ChaosDriver, FaultEvent, FaultPlan
 from ddiloco.lab.event_logs import Tail
@@ -30,10 +31,10 @@ def _cli() -> list[str]:
     return [sys.executable, "-m", "ddiloco.core.cli"]
 
 
-def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: float) -> int:
-    """The port of a synchronizer started with ``--ready-file READY``, once it serves (it writes
-    the file atomically then). Raises ``RuntimeError`` if ``proc`` exits first or ``timeout_s``
-    seconds pass."""
+def wait_ready_info(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: float) -> dict[str, Any]:
+    """What a synchronizer started with ``--ready-file READY`` writes there once it serves (its
+    ``port``, ``metrics_port``...; it writes the file atomically). Raises ``RuntimeError`` if
+    ``proc`` exits first or ``timeout_s`` seconds pass."""
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if proc.poll() is not None:
@@ -41,7 +42,14 @@ def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: floa
         if time.monotonic() > deadline:
             raise RuntimeError(f"synchronizer did not start serving within {timeout_s:g}s")
         time.sleep(0.05)
-    return int(json.loads(ready.read_text())["port"])
+    info: dict[str, Any] = json.loads(ready.read_text())
+    return info
+
+
+def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: float) -> int:
+    """The port of a synchronizer started with ``--ready-file READY``, once it serves
+    (``wait_ready_info``)."""
+    return int(wait_ready_info(proc, ready, timeout_s)["port"])
 
 
 class LocalCluster:
@@ -128,7 +136,7 @@ class LocalCluster:
             tail = self._tails.setdefault(lid, Tail(self.out / "learners" / f"{lid}.jsonl"))
             spans = self._step_span.setdefault(lid, {})
             for e in tail.read():
-                if e.get("event") == "step":
+                if e.get("event") == schema.STEP:
                     first, _ = spans.get(e["incarnation"], (e["step"], e["step"]))
                     spans[e["incarnation"]] = (first, e["step"])
             return dict(spans)
@@ -223,7 +231,7 @@ class LocalCluster:
         proc.wait()
         with open(self.out / "synchronizer.jsonl", "a") as f:
             # no leading newline: a line the killed process left half-written is recovered by the reader
-            f.write(json.dumps({"event": "sync_stop", "t": time.time()}) + "\n")
+            f.write(json.dumps(schema.record(schema.SYNCHRONIZER_LOG, schema.SYNC_STOP, {}, t=time.time())) + "\n")
         self._restart_later(e.restart_after_s if e.restart_after_s is not None else 1.0, self.start_synchronizer)
 
     def _net(self, e: FaultEvent) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ddiloco.core import events as schema
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.global_eval import write_point
 from ddiloco.learner.config import load_learner_config
@@ -41,7 +42,7 @@ def run_dp(doc: dict[str, Any], out: pathlib.Path, show_progress: bool = False) 
     inner = InnerLoop(model, cfg.train, device)
     (out / "learners").mkdir(exist_ok=True)
     events = EventLog(str(out / "learners" / "dp.jsonl"), learner_id="dp", incarnation=1)
-    events.emit("start", num_fragments=1, fragment_sizes=[num_params(model)], params=num_params(model),
+    events.emit(schema.START, num_fragments=1, fragment_sizes=[num_params(model)], params=num_params(model),
                 genesis=True, mode="dp")
     write_point(out, 0, evaluate(inner.model, evals, device), 0)
     started = time.time()
@@ -52,15 +53,15 @@ def run_dp(doc: dict[str, Any], out: pathlib.Path, show_progress: bool = False) 
         x, y = shard.sample_batch(generator, data.batch_size, data.context)
         loss, step_s = inner.step(x, y)
         tokens += batch_tokens
-        events.emit("step", step=step, loss=loss, tokens=tokens, step_s=step_s, blocked_s=0.0)
+        events.emit(schema.STEP, step=step, loss=loss, tokens=tokens, step_s=step_s, blocked_s=0.0)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
-            events.emit("eval", step=step, tokens=tokens, loss=inner.evaluate(evals))
+            events.emit(schema.EVAL, step=step, tokens=tokens, loss=inner.evaluate(evals))
     final_batches = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context,
                                  int(doc["run"]["final_eval_batches"]))
     final = evaluate(inner.model, final_batches, device)
     write_point(out, tokens, final, steps, final=True)
-    events.emit("eval", step=steps, tokens=tokens, loss=inner.evaluate(evals))
+    events.emit(schema.EVAL, step=steps, tokens=tokens, loss=inner.evaluate(evals))
     wall = time.time() - started
-    events.emit("end", step=steps, tokens=tokens, eval_loss=final, wall_s=wall, blocked_s=0.0)
+    events.emit(schema.END, step=steps, tokens=tokens, eval_loss=final, wall_s=wall, blocked_s=0.0)
     events.close()
     return {"final_eval_loss": final, "wall_s": wall, "failed_learners": {}, "status": {}}

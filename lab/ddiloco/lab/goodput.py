@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco.core import events as schema
+
 OUTCOMES = ("merged", "rejected", "superseded")
 TOP_DOWNTIME_INTERVALS = 10
 """How many of the longest downtime intervals ``fleet_summary`` lists."""
@@ -88,16 +90,16 @@ def _split_incarnations(events: Iterable[Mapping[str, Any]]) -> list[_Bucket]:
         kind = e.get("event")
         inc = e.get("incarnation")
         b = buckets[-1] if buckets else None
-        if (b is None or (kind == "start" and b.start is not None)
+        if (b is None or (kind == schema.START and b.start is not None)
                 or (inc is not None and b.incarnation is not None and inc != b.incarnation)):
             b = _Bucket()
             buckets.append(b)
         if b.incarnation is None:
             b.incarnation = inc
-        if kind == "start":
+        if kind == schema.START:
             b.start = e
         b.by_kind.setdefault(str(kind), []).append(e)
-        if kind == "end":
+        if kind == schema.END:
             b.end = e
         t = e.get("t")
         if t is not None and (b.last_t is None or t > b.last_t):
@@ -111,7 +113,7 @@ def _fragment_sizes(bucket: _Bucket) -> np.ndarray:
         return np.asarray(start["fragment_sizes"], dtype=np.float64)
     n = int(start.get("num_fragments") or 0) if start is not None else 0
     if n <= 0:
-        seen = [int(e["fragment"]) for kind in ("send", "result", "dropped", "apply")
+        seen = [int(e["fragment"]) for kind in (schema.SEND, schema.RESULT, schema.DROPPED, schema.APPLY)
                 for e in bucket.of(kind) if e.get("fragment") is not None]
         n = max(seen) + 1 if seen else 1
     return np.ones(n, dtype=np.float64)
@@ -119,7 +121,7 @@ def _fragment_sizes(bucket: _Bucket) -> np.ndarray:
 
 def _analyse_incarnation(bucket: _Bucket, index: int) -> _Incarnation:
     start, end = bucket.start, bucket.end
-    steps, sends = bucket.of("step"), bucket.of("send")
+    steps, sends = bucket.of(schema.STEP), bucket.of(schema.SEND)
     sizes = _fragment_sizes(bucket)
 
     step_no = np.array([e["step"] for e in steps], dtype=np.int64)
@@ -128,7 +130,7 @@ def _analyse_incarnation(bucket: _Bucket, index: int) -> _Incarnation:
     blocked = np.array([e.get("blocked_s") or 0.0 for e in steps], dtype=np.float64)
     tokens = np.array([e.get("tokens") or 0.0 for e in steps], dtype=np.float64)
 
-    outcome, accounting = _resolve_contributions(sends, bucket.of("result"), bucket.of("dropped"))
+    outcome, accounting = _resolve_contributions(sends, bucket.of(schema.RESULT), bucket.of(schema.DROPPED))
     merged_windows: dict[int, list[tuple[int, int]]] = {}
     for send, out in zip(sends, outcome, strict=True):
         if out == "merged":
@@ -294,10 +296,10 @@ def _resolve_from_synchronizer(per_learner: Mapping[str, dict[str, Any]],
     merged: set[tuple[str, int, int]] = set()
     rejected: dict[tuple[str, int, int], str] = {}
     for e in merge_log:
-        if e.get("event") == "merge":
+        if e.get("event") == schema.MERGE:
             for lid, inc, seq in e.get("contributions") or ():
                 merged.add((str(lid), int(inc), int(seq)))
-        elif e.get("event") == "reject":
+        elif e.get("event") == schema.REJECT:
             rejected[(str(e["learner"]), int(e["incarnation"]), int(e["sequence"]))] = str(e.get("reason", ""))
     for lid, report in per_learner.items():
         c = report["contributions"]
@@ -406,8 +408,8 @@ def _union_gaps(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> n
 
 def _merge_timing(merge_log: Sequence[Mapping[str, Any]], window: tuple[float, float] | None) -> dict[str, Any]:
     log = sorted(merge_log, key=lambda e: float(e.get("t", 0.0)))
-    merge_t = np.array([float(e["t"]) for e in log if e.get("event") == "merge"], dtype=np.float64)
-    per_fragment = Counter(int(e["fragment"]) for e in log if e.get("event") == "merge" and "fragment" in e)
+    merge_t = np.array([float(e["t"]) for e in log if e.get("event") == schema.MERGE], dtype=np.float64)
+    per_fragment = Counter(int(e["fragment"]) for e in log if e.get("event") == schema.MERGE and "fragment" in e)
 
     max_gap: float | None = None
     gap_at: list[float] | None = None
@@ -423,11 +425,11 @@ def _merge_timing(merge_log: Sequence[Mapping[str, Any]], window: tuple[float, f
     stop_t: float | None = None
     for e in log:
         kind = e.get("event")
-        if kind == "sync_stop":
+        if kind == schema.SYNC_STOP:
             stop_t = float(e["t"])
-        elif kind == "sync_start" and stop_t is not None:
+        elif kind == schema.SYNC_START and stop_t is not None:
             start_t = float(e["t"])
-            next_stop = next((float(x["t"]) for x in log if x.get("event") == "sync_stop"
+            next_stop = next((float(x["t"]) for x in log if x.get("event") == schema.SYNC_STOP
                               and float(x["t"]) > start_t), np.inf)
             after = merge_t[(merge_t >= start_t) & (merge_t < next_stop)]
             first = float(after.min()) if len(after) else None
@@ -455,7 +457,7 @@ def round_summary(merge_log: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """How the merges went, per fragment and overall: participation (contributions per merge), the
     share of merged contributions that were stale (re-anchored from an older version), and the
     longest a merge waited from its round's request (``wait_s``)."""
-    merges = [e for e in merge_log if e.get("event") == "merge"]
+    merges = [e for e in merge_log if e.get("event") == schema.MERGE]
 
     def stats(of: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         sizes = [int(e.get("quorum") or len(e.get("learners") or [])) for e in of]

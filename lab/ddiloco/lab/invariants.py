@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddiloco.core import events as schema
+
 DOWNTIME_TOLERANCE_S = 0.5
 
 
@@ -23,7 +25,7 @@ def versions_monotonic(merge_log: Sequence[Mapping[str, Any]]) -> tuple[bool, li
     last: dict[int, int] = {}
     problems = []
     for e in merge_log:
-        if e.get("event") != "merge":
+        if e.get("event") != schema.MERGE:
             continue
         p, v = int(e["fragment"]), int(e["version"])
         if p in last and v <= last[p]:
@@ -37,10 +39,10 @@ def restarted_learners(logs: Mapping[str, Sequence[Mapping[str, Any]]], chaos_t:
     when it started and how long until its first merged contribution."""
     out: dict[str, list[dict]] = {}
     for lid, events in logs.items():
-        starts = {e["incarnation"]: e["t"] for e in events if e["event"] == "start"}
+        starts = {e["incarnation"]: e["t"] for e in events if e["event"] == schema.START}
         first_merge: dict[int, float] = {}
         for e in events:
-            if e["event"] == "result" and e.get("outcome") == "merged":
+            if e["event"] == schema.RESULT and e.get("outcome") == "merged":
                 first_merge.setdefault(e["incarnation"], e["t"])
         for inc, t in sorted(starts.items(), key=lambda kv: kv[1]):
             if t < chaos_t:

@@ -27,6 +27,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ddiloco.core import events as schema
 from ddiloco.lab.event_logs import RunLogs, load_run_dir
 from ddiloco.lab.goodput import fleet_summary
 
@@ -60,9 +61,9 @@ def fleet_tokens(logs: RunLogs) -> tuple[np.ndarray, np.ndarray]:
         last = 0.0
         for e in events:
             kind = e.get("event")
-            if kind == "start":
+            if kind == schema.START:
                 last = 0.0
-            elif kind == "step" and e.get("tokens") is not None and e.get("t") is not None:
+            elif kind == schema.STEP and e.get("tokens") is not None and e.get("t") is not None:
                 tokens = float(e["tokens"])
                 times.append(float(e["t"]))
                 added.append(max(0.0, tokens - last))
@@ -85,13 +86,13 @@ def _at(timeline: tuple[np.ndarray, np.ndarray], t: np.ndarray) -> np.ndarray:
 def _learner_curves(events: Sequence[Mapping[str, Any]], timeline: tuple[np.ndarray, np.ndarray]
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(fleet tokens, train loss, fleet tokens, eval loss) of one learner's log."""
-    series: dict[str, tuple[list[float], list[float]]] = {"step": ([], []), "eval": ([], [])}
+    series: dict[str, tuple[list[float], list[float]]] = {schema.STEP: ([], []), schema.EVAL: ([], [])}
     for e in events:
         kind = e.get("event")
         if kind in series and e.get("loss") is not None and e.get("t") is not None:
             series[kind][0].append(float(e["t"]))
             series[kind][1].append(float(e["loss"]))
-    (tt, tl), (et, el) = series["step"], series["eval"]
+    (tt, tl), (et, el) = series[schema.STEP], series[schema.EVAL]
     return _at(timeline, np.asarray(tt)), np.asarray(tl), _at(timeline, np.asarray(et)), np.asarray(el)
 
 
@@ -148,7 +149,7 @@ def merges_figure(logs: RunLogs) -> Figure:
     fig = Figure(figsize=(9, 6), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     top.yaxis.get_major_locator().set_params(integer=True)
-    merges = [e for e in logs.merges if e.get("event") == "merge"]
+    merges = [e for e in logs.merges if e.get("event") == schema.MERGE]
     if merges:
         t = np.array([float(e["t"]) - t0 for e in merges])
         frag = np.array([int(e.get("fragment", 0)) for e in merges])
@@ -162,11 +163,11 @@ def merges_figure(logs: RunLogs) -> Figure:
     stop: float | None = None
     for e in sorted(logs.merges, key=lambda e: float(e.get("t", 0.0))):
         kind, at = e.get("event"), float(e.get("t", 0.0)) - t0
-        if kind == "sync_stop":
+        if kind == schema.SYNC_STOP:
             stop = at
             for ax in (top, bottom):
                 ax.axvline(at, color="red", linestyle="--", linewidth=1)
-        elif kind == "sync_start" and stop is not None:
+        elif kind == schema.SYNC_START and stop is not None:
             for ax in (top, bottom):
                 ax.axvline(at, color="green", linestyle="--", linewidth=1)
                 ax.axvspan(stop, at, color="red", alpha=0.08)

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from ddiloco.core import events as schema
 from ddiloco.lab.chaos import FaultPlan
 from ddiloco.lab.event_logs import Tail
 from ddiloco.lab.procs import exit_on_sigterm
@@ -68,16 +69,16 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
             for lid in cluster.learners():
                 tail = tails.setdefault(lid, Tail(out / "learners" / f"{lid}.jsonl"))
                 for e in tail.read():
-                    if e["event"] == "start":
+                    if e["event"] == schema.START:
                         joined.add(lid)
-                    if e["event"] == "step":
+                    if e["event"] == schema.STEP:
                         done[(lid, e["incarnation"])] = e["step"]
                         last_loss[lid] = e["loss"]
             trained[0] = sum(done.values()) * batch_tokens
 
         while True:
             read_tails()
-            merges += sum(1 for e in merges_tail.read() if e.get("event") == "merge")
+            merges += sum(1 for e in merges_tail.read() if e.get("event") == schema.MERGE)
             alive = cluster.alive_learners()
             bar.n = min(bar.total, sum(done.values()))
             loss = sum(last_loss.values()) / len(last_loss) if last_loss else float("nan")
@@ -146,7 +147,7 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         "steps": steps,
         "steps_per_learner": int(run["steps"]),
         "tokens": tokens,
-        "merges": sum(1 for e in merge_log if e.get("event") == "merge"),
+        "merges": sum(1 for e in merge_log if e.get("event") == schema.MERGE),
         "final_eval_loss": result["final_eval_loss"],
         "unigram_baseline_loss": unigram_entropy(load_corpus(data_cfg).eval),
         "global_eval": [[t, loss] for t, loss in read_curve(out)],

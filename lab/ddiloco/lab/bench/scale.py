@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from ddiloco.core import events as schema
 from ddiloco.core.resources import available_cpus
 from ddiloco.lab.bench import save_result
 from ddiloco.lab.procs import exit_on_sigterm, stop_processes
@@ -65,7 +66,7 @@ def measure(out: pathlib.Path) -> dict[str, Any]:
 
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
     sync_log = out / "synchronizer.jsonl"
-    merges = [e for e in load_jsonl(sync_log) if e.get("event") == "merge"] if sync_log.exists() else []
+    merges = [e for e in load_jsonl(sync_log) if e.get("event") == schema.MERGE] if sync_log.exists() else []
     fleet = fleet_summary(logs, merges)
     if not fleet.get("training_window") or not fleet.get("steps"):
         raise RuntimeError(f"{out}: the run logged no training steps")

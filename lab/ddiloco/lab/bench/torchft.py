@@ -48,6 +48,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ddiloco.core import events as schema
 from ddiloco.lab.bench import save_result
 from ddiloco.lab.event_logs import load_jsonl
 from ddiloco.lab.procs import exit_on_sigterm, free_port, stop_processes
@@ -209,15 +210,10 @@ class Procs:
         stop_processes(self.procs.values(), grace_s)
 
 
-def read_events(path: pathlib.Path) -> list[dict[str, Any]]:
-    """JSON lines written so far (a half-written last line is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
+def replica_events(path: pathlib.Path) -> list[dict[str, Any]]:
+    """A replica's events written so far (``load_jsonl``'s rule; none before the replica created
+    the file)."""
+    return load_jsonl(path, missing_ok=True)
 
 
 # -- torchft side -------------------------------------------------------------------------------
@@ -278,15 +274,16 @@ class TorchftJob:
 
     def commits(self, replica: int, incarnation: int | None = None, participants: int = 2) -> list[dict[str, Any]]:
         inc = self.incarnation[replica] if incarnation is None else incarnation
-        return [e for e in read_events(self.work / f"replica-{replica}.{inc}.jsonl")
-                if e.get("event") == "sync" and e.get("ok") and e.get("participants", 0) >= participants]
+        return [e for e in replica_events(self.work / f"replica-{replica}.{inc}.jsonl")
+                if e.get("event") == schema.SYNC and e.get("ok") and e.get("participants", 0) >= participants]
 
     def step_times(self, replica: int, incarnation: int | None = None) -> list[float]:
         inc = self.incarnation[replica] if incarnation is None else incarnation
-        return [e["t"] for e in read_events(self.work / f"replica-{replica}.{inc}.jsonl") if e.get("event") == "step"]
+        return [e["t"] for e in replica_events(self.work / f"replica-{replica}.{inc}.jsonl")
+                if e.get("event") == schema.STEP]
 
     def ready(self, replica: int) -> bool:
-        return any(e.get("event") == "ready" for e in read_events(self.events_path(replica)))
+        return any(e.get("event") == schema.READY for e in replica_events(self.events_path(replica)))
 
     def launch(self) -> None:
         self.start_lighthouse()
@@ -308,7 +305,7 @@ def torchft_overhead(args: argparse.Namespace, work: pathlib.Path) -> dict[str, 
             raise BenchError(f"torchft overhead: replica exit codes {codes} (logs in {work})")
     finally:
         job.procs.stop_all()
-    phases = [e for r in (0, 1) for e in read_events(job.events_path(r)) if e.get("event") == "phase"]
+    phases = [e for r in (0, 1) for e in replica_events(job.events_path(r)) if e.get("event") == schema.PHASE]
     per_replica = {}
     for r in (0, 1):
         mine = [e for e in phases if e["replica"] == r]
@@ -337,7 +334,7 @@ def torchft_restart(args: argparse.Namespace, work: pathlib.Path) -> dict[str, A
         time.sleep(1.0)  # a few more survivor steps after it
         survivor = step_gaps(job.step_times(0), t_kill, t_back + 1.0)
         first_step = min(job.step_times(1), default=None)
-        ready = [e["t"] for e in read_events(job.events_path(1)) if e.get("event") == "ready"]
+        ready = [e["t"] for e in replica_events(job.events_path(1)) if e.get("event") == schema.READY]
     finally:
         job.stop_file.touch()
         job.procs.stop_all()
@@ -381,8 +378,8 @@ def torchft_outage(args: argparse.Namespace, work: pathlib.Path) -> dict[str, An
             last[r] = d if d is not None else min(end, time.time())
         gaps = {r: step_gaps([*job.step_times(r), last[r]], t_kill, last[r]) for r in (0, 1)}
         last_step = {r: max(job.step_times(r), default=t_kill) - t_kill for r in (0, 1)}
-        errors = {r: [e.get("error") for e in read_events(job.events_path(r)) if e.get("event") == "error"][:1]
-                  for r in (0, 1)}
+        errors = {r: [e.get("error") for e in replica_events(job.events_path(r))
+                      if e.get("event") == schema.ERROR][:1] for r in (0, 1)}
     finally:
         job.stop_file.touch()
         job.procs.stop_all()
@@ -476,17 +473,17 @@ def _learner_logs(out: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
 def ddiloco_restart(args: argparse.Namespace, work: pathlib.Path) -> dict[str, Any]:
     out = _ddiloco_run(args, work, [{"kind": "kill", "target": "learner-1", "at_step": args.fault_step,
                                      "restart_after_s": 0.0}])
-    faults = [e for e in read_events(out / "faults.jsonl") if e.get("kind") == "kill"]
+    faults = [e for e in load_jsonl(out / "faults.jsonl", missing_ok=True) if e.get("kind") == "kill"]
     if not faults:
         raise BenchError(f"ddiloco restart: no kill was injected ({out})")
     t_kill = faults[0]["t"]
     logs = _learner_logs(out)
     later = [e for e in logs.get("learner-1", []) if e.get("t", 0) > t_kill]
-    merged = [e["t"] for e in later if e.get("event") == "result" and e.get("outcome") == "merged"]
-    start = [e["t"] for e in later if e.get("event") == "start"]
-    steps = [e["t"] for e in later if e.get("event") == "step"]
+    merged = [e["t"] for e in later if e.get("event") == schema.RESULT and e.get("outcome") == "merged"]
+    start = [e["t"] for e in later if e.get("event") == schema.START]
+    steps = [e["t"] for e in later if e.get("event") == schema.STEP]
     t_back = merged[0] if merged else None
-    survivor = step_gaps([e["t"] for e in logs["learner-0"] if e.get("event") == "step"], t_kill,
+    survivor = step_gaps([e["t"] for e in logs["learner-0"] if e.get("event") == schema.STEP], t_kill,
                          (t_back or t_kill) + 1.0)
     return {"kill_to_contribution_s": (t_back - t_kill) if t_back else None,
             "kill_to_ready_s": (start[0] - t_kill) if start else None,
@@ -501,14 +498,14 @@ def ddiloco_outage(args: argparse.Namespace, work: pathlib.Path) -> dict[str, An
     out = _ddiloco_run(args, work, [{"kind": "kill_synchronizer", "at_step": args.fault_step,
                                      "restart_after_s": args.outage_s}])
     summary = json.loads((out / "summary.json").read_text())
-    faults = [e for e in read_events(out / "faults.jsonl") if e.get("kind") == "kill_synchronizer"]
+    faults = [e for e in load_jsonl(out / "faults.jsonl", missing_ok=True) if e.get("kind") == "kill_synchronizer"]
     if not faults:
         raise BenchError(f"ddiloco outage: no synchronizer kill was injected ({out})")
     t_kill = faults[0]["t"]
     logs = _learner_logs(out)
-    gaps = {lid: step_gaps([e["t"] for e in ev if e.get("event") == "step"], t_kill) for lid, ev in logs.items()}
+    gaps = {lid: step_gaps([e["t"] for e in ev if e.get("event") == schema.STEP], t_kill) for lid, ev in logs.items()}
     failed = summary.get("failed_learners") or {}
-    ends = {lid: any(e.get("event") == "end" for e in ev) for lid, ev in logs.items()}
+    ends = {lid: any(e.get("event") == schema.END for e in ev) for lid, ev in logs.items()}
     # a learner that failed or never finished: the last thing it logged is when it died
     dead = [max(e["t"] for e in ev) - t_kill for lid, ev in logs.items() if ev and (lid in failed or not ends[lid])]
     back = summary.get("restart_to_first_merge_s") or []
@@ -516,7 +513,7 @@ def ddiloco_outage(args: argparse.Namespace, work: pathlib.Path) -> dict[str, An
             "per_learner": {lid: {**gaps[lid], "finished": ends[lid]} for lid in logs},
             "job_died": bool(failed) or not all(ends.values()), "died_after_s": min(dead) if dead else None,
             "synced_again_after_restart_s": back[0] if back else None,
-            "steps_during_outage": {lid: sum(1 for e in ev if e.get("event") == "step"
+            "steps_during_outage": {lid: sum(1 for e in ev if e.get("event") == schema.STEP
                                              and t_kill < e["t"] < t_kill + args.outage_s)
                                     for lid, ev in logs.items()},
             "final_eval_loss": summary.get("final_eval_loss"), "run": str(out)}

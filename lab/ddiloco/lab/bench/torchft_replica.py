@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any
 
+from ddiloco.core import events as schema
+
 
 def replica_main(argv: list[str]) -> int:
     """One torchft replica group of one rank: the built-in GPT, ddiloco's inner loop, torchft's
@@ -34,8 +36,9 @@ def replica_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     events = open(a.events, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
 
-    def emit(event: str, **fields: Any) -> None:
-        events.write(json.dumps({"event": event, "t": time.time(), "replica": a.replica_id, **fields}) + "\n")
+    def emit(event: str, **fields: Any) -> None:  # the torchft_replica log of ddiloco.core.events
+        line = schema.record(schema.TORCHFT_LOG, event, {"replica": a.replica_id, **fields}, t=time.time())
+        events.write(json.dumps(line) + "\n")
 
     def orphan_watch() -> None:  # the benchmark went away: leave nothing running
         while True:
@@ -47,7 +50,7 @@ def replica_main(argv: list[str]) -> int:
     try:
         return _replica(a, emit)
     except Exception as exc:  # recorded, then the process dies as the job would
-        emit("error", error=f"{type(exc).__name__}: {exc}")
+        emit(schema.ERROR, error=f"{type(exc).__name__}: {exc}")
         events.flush()
         os._exit(1)
 
@@ -101,7 +104,7 @@ def _replica(a: argparse.Namespace, emit: Any) -> int:
         counts["syncs"] += 1
         counts["commits"] += int(ok)
         counts["min_participants"] = min(counts["min_participants"], n)
-        emit("sync", ok=ok, participants=n, manager_step=manager.current_step())
+        emit(schema.SYNC, ok=ok, participants=n, manager_step=manager.current_step())
         return ok
 
     manager.should_commit = logged_commit  # type: ignore[method-assign]
@@ -113,7 +116,7 @@ def _replica(a: argparse.Namespace, emit: Any) -> int:
         window = torch.randint(0, model_cfg.vocab_size, (a.batch_size, model_cfg.context + 1), generator=gen)
         loop.step(window[:, :-1], window[:, 1:])
 
-    emit("ready", pid=os.getpid())
+    emit(schema.READY, pid=os.getpid())
     deadline = time.monotonic() + a.max_s
     while not os.path.exists(a.go):
         if time.monotonic() > deadline:
@@ -131,7 +134,7 @@ def _replica(a: argparse.Namespace, emit: Any) -> int:
                     for _ in range(a.steps):
                         inner_step()
                     seconds = time.perf_counter() - t0
-                emit("phase", kind=kind, repeat=repeat, steps=a.steps, seconds=seconds, syncs=counts["syncs"],
+                emit(schema.PHASE, kind=kind, repeat=repeat, steps=a.steps, seconds=seconds, syncs=counts["syncs"],
                      commits=counts["commits"], min_participants=counts["min_participants"] if counts["syncs"] else 0)
     else:
         with diloco:
@@ -140,8 +143,8 @@ def _replica(a: argparse.Namespace, emit: Any) -> int:
                     break
                 t0 = time.perf_counter()
                 inner_step()
-                emit("step", step=step, step_s=time.perf_counter() - t0)
-    emit("end")
+                emit(schema.STEP, step=step, step_s=time.perf_counter() - t0)
+    emit(schema.END)
     sys.stdout.flush()
     os._exit(0)  # the manager's threads are not waited for
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from pydantic.dataclasses import dataclass as config_dataclass
 
+from ddiloco.core.averages import RunningAverage as RunningAverage  # engine.py, the simulator import it here
 from ddiloco.core.config import STRICT
 
 
@@ -171,22 +172,3 @@ def token_weights(tokens: Sequence[int], steps: Sequence[int]) -> list[float]:
     if total <= 0:
         return [1.0 / len(raw)] * len(raw)
     return [r / total for r in raw]
-
-
-class RunningAverage:
-    """Exponential moving average; the first sample initialises it."""
-
-    def __init__(self, alpha: float = 0.2, initial: float | None = None) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
-        self.value = initial
-
-    def update(self, sample: float) -> float:
-        if not math.isfinite(sample):
-            return self.value or 0.0
-        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
-        return self.value
-
-    def get(self, default: float = 0.0) -> float:
-        return default if self.value is None else self.value

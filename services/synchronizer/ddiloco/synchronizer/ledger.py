@@ -5,7 +5,8 @@ same learner and base; this is the one place that records which. Each outcome go
 learner (a ``ContributionResult`` in its outbox; a contribution that carries older ones summed
 into it answers each of them), to the Prometheus metrics, to the structured log, and to the event
 log (one JSON line per start, merge and rejection: what the accounting of a run reads; the
-learner's own log may be lost with its process).
+learner's own log may be lost with its process). The event log's events and their fields are
+defined in ``ddiloco.core.events`` (the synchronizer log); ``event`` checks each line against them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddiloco.core import events as schema
 from ddiloco.protocol.wire import ContributionResult, Resync
 from ddiloco.synchronizer.inbox import Contribution
 from ddiloco.synchronizer.membership import LearnerRecord, Membership
@@ -81,7 +83,7 @@ class Ledger:
         rec = self.membership.learners.get(c.learner_id)
         for part in c.parts():
             self._count_rejection(reason, part.tokens)
-            self.event({"event": "reject", "fragment": part.fragment, "learner": part.learner_id,
+            self.event({"event": schema.REJECT, "fragment": part.fragment, "learner": part.learner_id,
                         "incarnation": part.incarnation, "sequence": part.sequence, "reason": reason})
             self.log.warning("contribution rejected", learner_id=part.learner_id, fragment=part.fragment,
                              version=part.base_version, sequence=part.sequence, reason=reason, detail=detail)
@@ -121,7 +123,7 @@ class Ledger:
         m.grace_wait.observe(grace_s)
         m.merge_seconds.observe(merge_s)
         m.commit_seconds.observe(commit_s)
-        self.event({"event": "merge", "fragment": fragment, "version": version, "round": round_no,
+        self.event({"event": schema.MERGE, "fragment": fragment, "version": version, "round": round_no,
                     "wait_s": wait_s, "quorum": len(contributions),
                     "learners": [c.learner_id for c in contributions], "grace_s": grace_s, "sync_s": sync_s,
                     "staleness": staleness, "scale": scale, "merge_s": merge_s, "commit_s": commit_s,
@@ -131,7 +133,9 @@ class Ledger:
                                       for c in contributions for p in c.parts()]})
 
     def event(self, entry: dict[str, Any], *, t: float | None = None) -> None:
-        """Append one line to the event log (``t``: wall time, now when omitted)."""
+        """Append one line to the event log (``t``: wall time, now when omitted). The line is
+        checked against its spec in ``ddiloco.core.events`` whether or not a log is written."""
+        schema.validate(schema.SYNCHRONIZER_LOG, entry["event"], entry.keys() - {"event"})
         if self._file is not None:
             line = {"event": entry["event"], "t": self.wall() if t is None else t,
                     **{k: v for k, v in entry.items() if k != "event"}}
