@@ -15,7 +15,6 @@ import pytest
 from ddiloco.algorithm.policies import (
     QuorumPolicy,
     RoundView,
-    RunningAverage,
     Timings,
     decide,
     grace_window,
@@ -23,6 +22,7 @@ from ddiloco.algorithm.policies import (
     required_quorum,
     token_weights,
 )
+from ddiloco.core.averages import RunningAverage
 
 # tau * step = 2 * 1.0, quorum 0.5, sync 0.3: slack 1.2 s, gamma 0.8 -> grace 0.96 s.
 TIMINGS = Timings(step_time_s=1.0, quorum_time_s=0.5, sync_time_s=0.3)

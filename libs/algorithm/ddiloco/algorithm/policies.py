@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from pydantic.dataclasses import dataclass as config_dataclass
 
-from ddiloco.core.averages import RunningAverage as RunningAverage  # engine.py, the simulator import it here
 from ddiloco.core.config import STRICT
 
 

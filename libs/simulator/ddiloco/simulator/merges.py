@@ -37,6 +37,7 @@ import numpy as np
 from ddiloco.algorithm import policies
 from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.round import RoundRules, RoundState, Waiting
+from ddiloco.core.averages import RunningAverage
 from ddiloco.simulator.config import SimConfig
 from ddiloco.simulator.spmd import JobResult
 
@@ -194,9 +195,9 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
                  ev_p[keep][order].tolist(), ev_s[keep][order].tolist(), ev_r[keep][order].tolist(), strict=True)
 
     stats = MergeStats(window_s=horizon - start)
-    step_avg = policies.RunningAverage(initial=float(np.mean(step_of)))
-    quorum_avg = policies.RunningAverage()
-    sync_avg = policies.RunningAverage()
+    step_avg = RunningAverage(initial=float(np.mean(step_of)))
+    quorum_avg = RunningAverage()
+    sync_avg = RunningAverage()
     timings = policies.Timings(step_time_s=step_avg.get(), quorum_time_s=0.0, sync_time_s=0.0)
     rules = RoundRules(policy=policy, overlap=tau)
     rounds = [RoundState() for _ in range(frags)]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddiloco.core import events as schema
 from ddiloco.learner.events import EventLog
 from ddiloco.protocol import wire
 
@@ -82,7 +83,7 @@ class Mailbox:
             old = queue.pop() if queue and queue[-1].base_version == out.base_version else None
             queue.append(out)
         if old is not None:
-            self.events.emit("dropped", sequence=old.sequence, fragment=old.fragment,
+            self.events.emit(schema.DROPPED, sequence=old.sequence, fragment=old.fragment,
                              reason="replaced by a newer contribution before it could be sent")
 
     def take_requests(self) -> dict[int, int]:
@@ -138,7 +139,7 @@ class Mailbox:
             self._outbound.clear()
             self._unacked.clear()
         for out in leftovers:
-            self.events.emit("dropped", sequence=out.sequence, fragment=out.fragment,
+            self.events.emit(schema.DROPPED, sequence=out.sequence, fragment=out.fragment,
                              reason="learner stopped before the contribution was answered")
 
     # -- the communication thread's side --------------------------------------------------
@@ -200,7 +201,7 @@ class Mailbox:
             for seq, out in sorted(self._unacked.items(), reverse=True):
                 queue = self._outbound.get(out.fragment, [])
                 if any(o.sequence > seq and o.base_version == out.base_version for o in queue):
-                    self.events.emit("dropped", sequence=seq, fragment=out.fragment,
+                    self.events.emit(schema.DROPPED, sequence=seq, fragment=out.fragment,
                                      reason="unanswered at a reconnect; a newer contribution from the same "
                                             "base carries its progress")
                     continue

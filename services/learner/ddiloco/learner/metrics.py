@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from ddiloco.core import build_labels
+from ddiloco.core import events as schema
 
 
 class LearnerMetrics:
@@ -29,16 +30,16 @@ class LearnerMetrics:
 
     def observe(self, event: str, fields: dict) -> None:
         """An event-log observer: the counters that follow from the learner's events."""
-        if event == "result":
+        if event == schema.RESULT:
             self.contributions.labels(fields.get("outcome", "")).inc()
-        elif event == "dropped":
+        elif event == schema.DROPPED:
             self.contributions.labels("dropped").inc()
-        elif event == "send":
+        elif event == schema.SEND:
             self.contributions.labels("sent").inc()
-        elif event == "apply":
+        elif event == schema.APPLY:
             self.applies.inc()
-        elif event in ("connect", "disconnect"):
-            self.connected.set(1 if event == "connect" else 0)
+        elif event in (schema.CONNECT, schema.DISCONNECT):
+            self.connected.set(1 if event == schema.CONNECT else 0)
 
     def stepped(self, tokens: int, loss: float | None, blocked_s: float, tokens_per_s: float,
                 sent_total: int, received_total: int) -> None:

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ddiloco.core import events as schema
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.resources import available_cpus
@@ -129,7 +130,7 @@ class Learner:
         # Training ends here. The local model's final evaluation and waiting below for the last
         # contributions' results are the bookkeeping of a finite run (a deployed learner never
         # stops), so they are logged after the end.
-        self.events.emit("end", step=step, tokens=sync.tokens, wall_s=wall, blocked_s=sync.blocked_s)
+        self.events.emit(schema.END, step=step, tokens=sync.tokens, wall_s=wall, blocked_s=sync.blocked_s)
         final = self._eval(step)
         sync.close()
         summary.update(steps=step - sync.start_step, tokens=sync.tokens, eval_loss=final, wall_s=wall,
@@ -141,14 +142,14 @@ class Learner:
     def _poison(self, step: int) -> None:
         """The fault a test or chaos plan injects: every parameter turns NaN."""
         self.log.warning("parameters poisoned (fault injection)", step=step)
-        self.events.emit("poisoned", step=step)
+        self.events.emit(schema.POISONED, step=step)
         with torch.no_grad():
             for param in self.inner.model.parameters():
                 param.fill_(float("nan"))
 
     def _eval(self, step: int) -> float:
         loss = self.inner.evaluate(self.eval_set)
-        self.events.emit("eval", step=step, tokens=self.sync.tokens, loss=loss)
+        self.events.emit(schema.EVAL, step=step, tokens=self.sync.tokens, loss=loss)
         return loss
 
 

@@ -25,6 +25,7 @@ import grpc
 import torch
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
+from ddiloco.core import events as schema
 from ddiloco.core.logs import get_logger
 from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.codec import make_codec
@@ -214,7 +215,7 @@ class Link:
             await self._join(stream, welcome)
             self.connected.set()
             self._backoff.connected()
-            self.events.emit("connect", synchronizer_id=welcome.synchronizer_id, state=welcome.state,
+            self.events.emit(schema.CONNECT, synchronizer_id=welcome.synchronizer_id, state=welcome.state,
                              restarted=restarted)
             self.mailbox.requeue_unacked()
             tasks = [asyncio.create_task(self._sender(stream)), asyncio.create_task(self._receiver(stream)),
@@ -244,7 +245,7 @@ class Link:
             await stream.close()
             await channel.close()
             if tasks:
-                self.events.emit("disconnect", synchronizer_id=self.synchronizer_id)
+                self.events.emit(schema.DISCONNECT, synchronizer_id=self.synchronizer_id)
 
     def _hello(self) -> wire.Hello:
         return wire.Hello(
@@ -350,7 +351,7 @@ class Link:
                 self.mailbox.deliver(Arrival(msg.header.fragment_id, msg.header.version, values))
             elif isinstance(msg, wire.ContributionResult):
                 self.mailbox.settle(msg)
-                self.events.emit("result", sequence=msg.sequence, fragment=msg.fragment_id, outcome=msg.outcome,
+                self.events.emit(schema.RESULT, sequence=msg.sequence, fragment=msg.fragment_id, outcome=msg.outcome,
                                  version=msg.version, reason=msg.reason, weight=msg.weight,
                                  staleness=msg.staleness, detail=msg.detail)
                 if msg.outcome == "rejected" and self.feedback is not None:

@@ -1,4 +1,4 @@
-"""The sync client's settings and its error: ``sync_config`` and ``SyncError``, and ``StepPace``."""
+"""The sync client's settings and its error: ``sync_config`` and ``SyncError``."""
 
 from __future__ import annotations
 
@@ -13,22 +13,6 @@ _PROTOCOL_SHORTHANDS = {"fragments": "num_fragments", "sync_every": "sync_every"
 
 class SyncError(RuntimeError):
     """Decoupled training cannot go on: refused by the synchronizer, could not join, bad settings."""
-
-
-class StepPace:
-    """Recent wall time per inner step (an EMA), what the learner reports to pace the fleet's
-    clock. One long step (a stop, a pause) counts at most ``clip`` times the average, so a
-    learner's pace recovers within a few steps of resuming."""
-
-    def __init__(self, alpha: float = 0.1, clip: float = 4.0) -> None:
-        self.alpha, self.clip, self.value = alpha, clip, 0.0
-
-    def update(self, sample: float) -> float:
-        if self.value == 0.0:
-            self.value = sample
-        else:
-            self.value += self.alpha * (min(sample, self.clip * self.value) - self.value)
-        return self.value
 
 
 def sync_config(config: LearnerConfig | dict[str, Any] | None = None, **settings: Any) -> LearnerConfig:
@@ -60,4 +44,4 @@ def sync_config(config: LearnerConfig | dict[str, Any] | None = None, **settings
         raise SyncError(str(exc)) from exc
 
 
-__all__ = ["StepPace", "SyncError", "sync_config"]
+__all__ = ["SyncError", "sync_config"]

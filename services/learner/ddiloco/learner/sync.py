@@ -49,6 +49,8 @@ import torch
 from torch import nn
 
 from ddiloco.algorithm.fleet_clock import fleet_progress, last_merged_step
+from ddiloco.core import events as schema
+from ddiloco.core.averages import RunningAverage
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
@@ -61,7 +63,7 @@ from ddiloco.learner.local import LocalFragments
 from ddiloco.learner.mailbox import HEAL_AFTER, Arrival, Outgoing
 from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.ranks import DRAINED, FAILED, JOINED, Ranks
-from ddiloco.learner.settings import StepPace, SyncError, sync_config
+from ddiloco.learner.settings import SyncError, sync_config
 
 
 def parameter_fingerprint(model: nn.Module, model_ref: str = "") -> str:
@@ -125,7 +127,9 @@ class DecoupledSync:
         """Set by a chaos hook (SIGUSR2): every outer gradient sent is scaled by corrupt_factor."""
         self.inflated = threading.Event()
         """Set by a chaos hook (SIGRTMIN): every answer claims inflate_factor times its tokens."""
-        self._pace = StepPace()
+        self._pace = RunningAverage(0.1, clip=4.0)
+        """Recent wall time per inner step, what the learner reports to pace the fleet's clock; one
+        long step (a stop, a pause) counts at most 4 times the average."""
         self._last_end = 0.0
         self._ended = self._closed = self._drain_requested = self._agreed_drain = False
         self.timings = self.local.timings
@@ -222,7 +226,7 @@ class DecoupledSync:
         self.local.join({} if join.genesis else join.fetched, self.start_step)
         self.joined = True
         params = sum(t.numel() for t in self.params.values())
-        self.events.emit("start", start_step=self.start_step, num_fragments=self.layout.num_fragments,
+        self.events.emit(schema.START, start_step=self.start_step, num_fragments=self.layout.num_fragments,
                          fragment_sizes=[f.numel for f in self.layout], params=params,
                          genesis=join.genesis, versions=self.versions, mode=self.cfg.protocol.mode,
                          apply_policy=self.cfg.apply_policy, config=to_dict(self.cfg, redact=True), **start_fields)
@@ -270,7 +274,7 @@ class DecoupledSync:
         for p, round_no in sorted(due.items()):
             frag = self.local[p]
             if not self.learners_wait and frag.answer_held(step, self.schedule.sync_every):
-                self.events.emit("skip", step=step, fragment=p, round=round_no,
+                self.events.emit(schema.SKIP, step=step, fragment=p, round=round_no,
                                  reason=f"its answer of step {frag.sent.step} awaits its merge")  # type: ignore[union-attr]
                 continue
             self._send(p, step, round_no)
@@ -286,7 +290,7 @@ class DecoupledSync:
         # last one (or when draining): the other learners may be waiting for the contributions
         # that ending hands over.
         blocked = self._apply_arrivals(step + 1, wait=step < self.steps and not self.comm.draining.is_set())
-        self.events.emit("step", step=step, loss=loss, tokens=self.tokens,
+        self.events.emit(schema.STEP, step=step, loss=loss, tokens=self.tokens,
                          step_s=interval if step_s is None else step_s, blocked_s=blocked)
         self.metrics.stepped(tokens, loss, blocked, stats.tokens_per_s, self.comm.bytes_sent, self.comm.bytes_received)
 
@@ -343,7 +347,7 @@ class DecoupledSync:
                              reason="second stop request" if self.comm.hurry.is_set() else "flush timeout")
         self.comm.stop(reason or ("drained" if self.draining else "finished"))
         if self.joined:
-            self.events.emit("flushed", all_answered=answered, pending_s=time.monotonic() - started)
+            self.events.emit(schema.FLUSHED, all_answered=answered, pending_s=time.monotonic() - started)
         self.events.close()
         return answered
 
@@ -373,7 +377,7 @@ class DecoupledSync:
         self.log.warning("healing", fragments=fragments, step=step, reason=reason)
         self.local.heal(fragments, step)
         self.comm.resync(tuple(fragments))
-        self.events.emit("heal", step=step, fragments=fragments, reason=reason)
+        self.events.emit(schema.HEAL, step=step, fragments=fragments, reason=reason)
 
     def _send(self, p: int, step: int, round_no: int) -> None:
         frag = self.local[p]
@@ -391,7 +395,7 @@ class DecoupledSync:
         seq = next(self.sequence)
         self.comm.submit(Outgoing(p, seq, frag.version, claimed, steps, step, delta, round=round_no))
         self.local.time("handoff", t0)
-        self.events.emit("send", step=step, fragment=p, sequence=seq, base_version=frag.version, tokens=claimed,
+        self.events.emit(schema.SEND, step=step, fragment=p, sequence=seq, base_version=frag.version, tokens=claimed,
                          steps=steps, from_step=frag.window_start, to_step=step, round=round_no)
         frag.send(step, current, keep_values=self.cfg.apply_policy == "replay")
 
@@ -413,7 +417,7 @@ class DecoupledSync:
                 del self.pending[p]
                 policy = self.local.apply(p, arrival.values, arrival.version, step, resync=arrival.resync)
                 if policy is not None:
-                    self.events.emit("apply", step=step, fragment=p, version=arrival.version, policy=policy,
+                    self.events.emit(schema.APPLY, step=step, fragment=p, version=arrival.version, policy=policy,
                                      resync=arrival.resync)
         self.blocked_s += blocked
         return blocked

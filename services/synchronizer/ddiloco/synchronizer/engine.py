@@ -35,6 +35,7 @@ from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
 from ddiloco.algorithm.round import RejoinHold, RoundRules, StartHold
 from ddiloco.algorithm.weight_guard import WeightGuard
+from ddiloco.core import events as schema
 from ddiloco.core.config import to_dict
 from ddiloco.core.logs import get_logger
 from ddiloco.core.modes import preset
@@ -117,7 +118,7 @@ class Engine:
         self._clock_event: asyncio.Event | None = None
         self.closing = False
         self.started_at = clock()
-        self.ledger.event({"event": "sync_start", "synchronizer_id": self.synchronizer_id})
+        self.ledger.event({"event": schema.SYNC_START, "synchronizer_id": self.synchronizer_id})
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -316,7 +317,7 @@ class Engine:
         self.metrics.norm_clipped.inc()
         self.log.warning("contribution clipped by the norm guard", learner_id=c.learner_id,
                          fragment=c.fragment, sequence=c.sequence, detail=detail)
-        self.ledger.event({"event": "norm_clip", "learner_id": c.learner_id, "fragment": c.fragment,
+        self.ledger.event({"event": schema.NORM_CLIP, "learner_id": c.learner_id, "fragment": c.fragment,
                            "sequence": c.sequence, "detail": detail})
 
     def reject_framing(self, rec: LearnerRecord, header: Any, reason: str, detail: str) -> None:

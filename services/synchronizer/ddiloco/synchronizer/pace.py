@@ -4,7 +4,8 @@ merges); the adaptive grace window is sized from them (``ddiloco.algorithm.polic
 
 from __future__ import annotations
 
-from ddiloco.algorithm.policies import RunningAverage, Timings
+from ddiloco.algorithm.policies import Timings
+from ddiloco.core.averages import RunningAverage
 
 
 class Pace:
