@@ -70,19 +70,21 @@ class Ranks:
         if not self.leader:
             scatter(frag, values, params)
 
-    def lead(self, draining: bool, touched: dict[int, bool], versions: dict[int, int], num_fragments: int) -> None:
-        """Rank 0, after its boundary: whether to drain and the fragments it overwrote
-        (fragment -> healed) with their versions. The values follow (``share_fragment``)."""
-        control = [int(draining), len(touched)]
+    def lead(self, draining: bool, step: int, touched: dict[int, bool], versions: dict[int, int],
+             num_fragments: int) -> None:
+        """Rank 0, after its boundary: whether to drain, its step (it moves on its own when the
+        learner catches up with its fleet), and the fragments it overwrote (fragment -> healed)
+        with their versions. The values follow (``share_fragment``)."""
+        control = [int(draining), step, len(touched)]
         for p, healed in sorted(touched.items()):
             control += [p, int(healed), versions.get(p, 0)]
-        self.broadcast_ints(control + [0] * (2 + 3 * num_fragments - len(control)))
+        self.broadcast_ints(control + [0] * (3 + 3 * num_fragments - len(control)))
 
-    def follow(self, num_fragments: int) -> tuple[bool, list[tuple[int, bool, int]]]:
-        """Any other rank: rank 0's (draining, [(fragment, healed, version)]) for this boundary."""
-        control = self.broadcast_ints([0] * (2 + 3 * num_fragments))
-        touched = [(control[2 + 3 * i], bool(control[3 + 3 * i]), control[4 + 3 * i]) for i in range(control[1])]
-        return bool(control[0]), touched
+    def follow(self, num_fragments: int) -> tuple[bool, int, list[tuple[int, bool, int]]]:
+        """Any other rank: rank 0's (draining, step, [(fragment, healed, version)]) for this boundary."""
+        control = self.broadcast_ints([0] * (3 + 3 * num_fragments))
+        touched = [(control[3 + 3 * i], bool(control[4 + 3 * i]), control[5 + 3 * i]) for i in range(control[2])]
+        return bool(control[0]), control[1], touched
 
 
 __all__ = ["DRAINED", "FAILED", "JOINED", "Ranks"]

@@ -106,7 +106,8 @@ class Learner:
         batch_tokens = cfg.data.batch_size * cfg.data.context
         step = sync.start_step
         started = time.time()
-        for step in range(sync.start_step + 1, cfg.train.steps + 1):
+        while step < cfg.train.steps:
+            step += 1
             if self.poisoned.is_set():
                 self.poisoned.clear()
                 self._poison(step)
@@ -120,6 +121,9 @@ class Learner:
                 time.sleep(step_s * (1.0 / cfg.speed - 1.0))
                 step_s /= cfg.speed
             sync.step(batch_tokens, loss, step_s=step_s)
+            if sync.step_count != step:  # caught up with a fleet that went on without it (waiting modes)
+                step = sync.step_count
+                self.inner.resume_at(step)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 self._eval(step)
             if sync.draining:

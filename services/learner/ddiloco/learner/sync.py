@@ -240,7 +240,10 @@ class DecoupledSync:
     def step(self, tokens: int, loss: float | None = None, *, step_s: float | None = None) -> None:
         """Account for one inner step just taken (``tokens`` trained on, its ``loss``), answer the
         synchronizer's requests due at this boundary, and apply the merged fragments due before
-        the next step. A non-finite ``loss`` puts every fragment back to its last global version."""
+        the next step. A non-finite ``loss`` puts every fragment back to its last global version.
+        In the modes where learners wait for merges, a learner found behind the fleet takes the
+        fleet's newest globals and its step: ``step_count`` jumps ahead, and a loop that counts its
+        steps (the learning-rate schedule, the run's end) continues from it."""
         if not self.joined:
             raise SyncError("call join() before step()")
         if self._ended:
@@ -290,20 +293,44 @@ class DecoupledSync:
         # last one (or when draining): the other learners may be waiting for the contributions
         # that ending hands over.
         blocked = self._apply_arrivals(step + 1, wait=step < self.steps and not self.comm.draining.is_set())
+        if self.learners_wait:
+            self._catch_up(step)
         self.events.emit(schema.STEP, step=step, loss=loss, tokens=self.tokens,
                          step_s=interval if step_s is None else step_s, blocked_s=blocked)
         self.metrics.stepped(tokens, loss, blocked, stats.tokens_per_s, self.comm.bytes_sent, self.comm.bytes_received)
 
+    def _catch_up(self, step: int) -> None:
+        """Where learners wait for merges, a learner the fleet went on without (stopped, or cut off
+        longer than the heartbeat timeout) comes back behind the fleet's last merged round: its due
+        fragments belong to rounds that merged already, and the rounds the fleet waits on would wait
+        for it until their timeout. It takes the newest global of every fragment it holds (its own
+        progress since is dropped, as a heal drops it) and continues from the fleet's step."""
+        known = self.versions
+        for p, arrival in self.pending.items():
+            known[p] = max(known.get(p, 0), arrival.version)
+        fleet = last_merged_step(known, self.schedule)
+        if fleet <= step:
+            return
+        self.log.warning("behind the fleet: catching up", step=step, fleet_step=fleet)
+        self.local.heal([f.index for f in self.layout], step)
+        for p, arrival in sorted(self.pending.items()):
+            self.local.apply(p, arrival.values, arrival.version, fleet + 1, resync=True)
+        self.pending.clear()
+        self.step_count = min(fleet, self.steps)
+        self.events.emit(schema.HEAL, step=step, fragments=[f.index for f in self.layout],
+                         reason=f"behind the fleet: its last merged round is step {fleet}; continuing from there")
+
     def _lead(self) -> None:
         """Rank 0, after its boundary: the other ranks get its decisions, then the values."""
         self._agreed_drain = self.comm.draining.is_set()
-        self.ranks.lead(self._agreed_drain, self.local.touched, self.versions, self.layout.num_fragments)
+        self.ranks.lead(self._agreed_drain, self.step_count, self.local.touched, self.versions,
+                        self.layout.num_fragments)
         for p in sorted(self.local.touched):
             self.ranks.share_fragment(self.layout[p], self.params)
 
     def _follow(self) -> None:
         """Any other rank: take rank 0's decisions and values for this boundary."""
-        self._agreed_drain, touched = self.ranks.follow(self.layout.num_fragments)
+        self._agreed_drain, self.step_count, touched = self.ranks.follow(self.layout.num_fragments)
         for p, healed, version in touched:
             self.ranks.share_fragment(self.layout[p], self.params)
             self.local[p].version = version
