@@ -230,7 +230,7 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
             xs, ys = zip(*r["curve"], strict=True)
             ax.plot(xs, ys, label=("tuned dp" if is_tuned_dp else r["mode"]))
     ax.set_xlabel("tokens")
-    ax.set_ylabel("eval loss (8 batches; last point 32)")
+    ax.set_ylabel("eval loss on the first 8 held-out batches\n(the final eval loss uses 32, so it reads higher)")
     ax.set_ylim(top=3.0)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
