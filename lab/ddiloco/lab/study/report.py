@@ -206,10 +206,11 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
     for ax, key, label in zip(axes, ("steps", "model", "learners"), ("inner steps per learner", "model", "learners M"),
                               strict=True):
         for mode, colour in (("decoupled", "tab:blue"), ("diloco", "tab:orange")):
-            pts = sorted(((r[key], 100 * r["vs_tuned_dp"]) for r in rows if r["mode"] == mode
-                          and r["vs_tuned_dp"] is not None and _trend_point(r, key)), key=lambda p: str(p[0]).zfill(8))
+            # models in the order of their size, the rest by value
+            pts = sorted((r["params"] if key == "model" else r[key], r[key], 100 * r["vs_tuned_dp"]) for r in rows
+                          if r["mode"] == mode and r["vs_tuned_dp"] is not None and _trend_point(r, key))
             if pts:
-                ax.plot([str(p[0]) for p in pts], [p[1] for p in pts], "o-", color=colour, label=mode)
+                ax.plot([str(p[1]) for p in pts], [p[2] for p in pts], "o-", color=colour, label=mode)
         ax.axhline(0, color="black", lw=0.6)
         ax.set_xlabel(label)
         ax.set_ylabel("eval loss above tuned dp (%)")
