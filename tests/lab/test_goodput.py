@@ -225,6 +225,16 @@ def test_steps_that_never_reach_the_model_do_not_cover_downtime() -> None:
     assert len(s["downtime_intervals"]) == 5
 
 
+def test_a_refused_learner_training_on_after_the_others_adds_no_downtime() -> None:
+    # a's steps over [0, 10] all reach the model; b's never do, and b trains on until 12.
+    a = all_merged(10)
+    b = [start(0.0, "b"), *steps(12), send(12.0, 0, 0, 0, 11), result(12.0, 0, 0, "rejected", "weight_outlier"),
+         end(12.0, 11)]
+    s = fleet_summary({"a": a, "b": b}, [])
+    assert s["training_window"] == [0.0, 10.0]
+    assert s["global_downtime_s"] == pytest.approx(0.0)
+
+
 def test_merge_gap_and_restart_to_first_merge() -> None:
     a = all_merged(20)  # steps over [0, 20]
     log = [{"event": "sync_start", "t": 0.0, "synchronizer_id": "s0"},

@@ -487,8 +487,8 @@ def fleet_summary(learner_logs: Mapping[str, Sequence[Mapping[str, Any]]],
     - ``learner_goodput``: sum of good seconds / sum of wall seconds over all learner incarnations;
       ``compute_share`` and ``blocked_share`` likewise; ``wall_s``, ``good_s``, ``compute_s``,
       ``blocked_s``, ``steps``, ``tokens``, ``good_tokens`` are the fleet sums.
-    - ``training_window``: ``[start, end]`` = [earliest step start, latest step end] (``None``
-      without steps); ``global_downtime_s`` (time in it with no good step running anywhere) and
+    - ``training_window``: ``[start, end]`` = [earliest step start, latest end of a good step
+      (of any step when none is good)] (``None`` without steps); ``global_downtime_s`` (time in it with no good step running anywhere) and
       ``downtime_intervals`` (the longest such gaps, ``[start, end]``, longest first).
     - ``merges``, ``merges_per_fragment``, ``max_merge_gap_s`` and ``max_merge_gap_at``,
       ``sync_restarts`` (per stop/start pair: ``stop_t``, ``start_t``, ``down_s``,
@@ -515,8 +515,11 @@ def fleet_summary(learner_logs: Mapping[str, Sequence[Mapping[str, Any]]],
     window: tuple[float, float] | None = None
     downtime, intervals = None, np.empty((0, 2))
     if len(step_t):
-        window = (float(starts.min()), float(step_t.max()))
         good = good_frac > 0
+        # The window closes with the last good step: a learner whose work never reaches the model
+        # (refused, or cut off before its last answer) and trains on after the others have
+        # finished does not keep the run open, nor make its tail downtime.
+        window = (float(starts.min()), float(step_t[good].max() if good.any() else step_t.max()))
         intervals = _union_gaps(starts[good], step_t[good], *window)
         downtime = float((intervals[:, 1] - intervals[:, 0]).sum())
     longest = intervals[np.argsort(intervals[:, 0] - intervals[:, 1], kind="stable")][:TOP_DOWNTIME_INTERVALS]
