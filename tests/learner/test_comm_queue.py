@@ -34,7 +34,7 @@ def out(seq: int, fragment: int, base: int) -> Outgoing:
 
 
 def queued(comm: Comm) -> dict[int, list[int]]:
-    return {p: [o.sequence for o in q] for p, q in comm.mailbox._outbound.items()}
+    return {p: [o.sequence for o in q] for p, q in comm.lanes[0].mailbox._outbound.items()}
 
 
 def dropped(seen: list[tuple[str, dict]]) -> list[int]:
@@ -56,19 +56,19 @@ def test_same_base_replaces_older_base_stays_queued() -> None:
 def test_reconnect_requeues_unanswered_in_order_unless_carried() -> None:
     comm, seen = _comm()
     for o in (out(1, 0, base=0), out(2, 0, base=0), out(3, 1, base=0), out(4, 1, base=1)):
-        comm.mailbox._unacked[o.sequence] = o       # sent, never answered: the link broke
+        comm.lanes[0].mailbox._unacked[o.sequence] = o       # sent, never answered: the link broke
     comm.submit(out(5, 0, base=0))          # queued meanwhile, same base as 1 and 2
-    comm.mailbox.requeue_unacked()
+    comm.lanes[0].mailbox.requeue_unacked()
     assert dropped(seen) == [2, 1]          # 5 carries both
     assert queued(comm) == {0: [5], 1: [3, 4]}  # 3 and 4 have different bases: both again, in order
-    assert comm.mailbox._unacked == {} and comm.pending() == 3
+    assert comm.lanes[0].mailbox._unacked == {} and comm.pending() == 3
 
 
 def test_stop_reports_everything_left_as_dropped() -> None:
     comm, seen = _comm()
     comm.submit(out(1, 0, base=0))
     comm.submit(out(2, 0, base=1))
-    comm.mailbox._unacked[3] = out(3, 1, base=0)
+    comm.lanes[0].mailbox._unacked[3] = out(3, 1, base=0)
     comm.stop("finished")
     assert sorted(dropped(seen)) == [1, 2, 3]
     assert comm.pending() == 0
@@ -79,7 +79,7 @@ def test_content_refusals_in_a_row_ask_training_to_heal_that_fragment() -> None:
     seq = iter(range(1, 100))
 
     def result(fragment: int, outcome: str, reason: str = "") -> None:
-        comm.mailbox.settle(wire.ContributionResult(sequence=next(seq), fragment_id=fragment, outcome=outcome,
+        comm.lanes[0].mailbox.settle(wire.ContributionResult(sequence=next(seq), fragment_id=fragment, outcome=outcome,
                                                    reason=reason))
 
     for _ in range(HEAL_AFTER - 1):

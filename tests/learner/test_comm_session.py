@@ -54,7 +54,7 @@ async def test_stop_says_goodbye_even_with_heartbeats_in_flight(tmp_path):
             await eventually(twenty, timeout_s=30, what="twenty heartbeats")
         finally:
             await asyncio.to_thread(comm.stop, "finished")
-        assert not comm._thread.is_alive(), "stop() returned before the communication thread ended"
+        assert not comm.lanes[0].thread.is_alive(), "stop() returned before the communication thread ended"
         record = server.engine.membership.learners["b"]
         await eventually(lambda: not record.connected, what="b detached")
         assert record.left == "said goodbye (finished)"

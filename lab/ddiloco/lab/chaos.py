@@ -57,7 +57,8 @@ class FaultEvent:
     """Due once the target learner (without a target: the most advanced learner) has completed
     this many inner steps, over all its incarnations (or give ``at_s``)."""
     target: str = ""
-    """Learner id (kill, stop, net, drain); ignored for kill_synchronizer and scale_up."""
+    """Learner id (kill, stop, net, drain); kill_synchronizer: one shard (``synchronizer-s``) or,
+    empty, every shard; ignored for scale_up."""
     duration_s: float = 0.0
     """stop, stall, blackhole, latency, bandwidth: how long the fault lasts."""
     restart_after_s: float | None = None
@@ -101,9 +102,11 @@ class FaultPlan:
         return self
 
     def kill_synchronizer(self, *, at_s: float | None = None, at_step: int | None = None,
-                          restart_after_s: float = 1.0) -> FaultPlan:
+                          restart_after_s: float = 1.0, shard: int | None = None) -> FaultPlan:
+        """Kill the synchronizer (every shard), or only shard ``shard`` of a sharded one."""
         self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="kill_synchronizer",
-                                      restart_after_s=restart_after_s))
+                                      restart_after_s=restart_after_s,
+                                      target="" if shard is None else f"synchronizer-{shard}"))
         return self
 
     def net(self, target: str, fault: str, *, at_s: float | None = None, at_step: int | None = None,
@@ -233,7 +236,8 @@ class ChaosDriver:
         if event.at_s is not None:
             return time.time() >= self.started + event.at_s
         assert self.progress is not None and event.at_step is not None
-        return self.progress(event.target) >= event.at_step
+        learner = "" if event.kind == "kill_synchronizer" else event.target  # its target is a shard, not a learner
+        return self.progress(learner) >= event.at_step
 
     def _main(self) -> None:
         pending = list(self.plan.events)

@@ -54,16 +54,18 @@ def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: floa
 
 class LocalCluster:
     def __init__(self, out: pathlib.Path, cfg_path: pathlib.Path, *, learners: int, steps: int,
-                 plan: FaultPlan | None = None, speeds: dict[str, float] | None = None) -> None:
+                 plan: FaultPlan | None = None, speeds: dict[str, float] | None = None, shards: int = 1) -> None:
         self.out, self.cfg_path = out, cfg_path
         self.n, self.steps = learners, steps
+        self.shards = shards
+        """Synchronizer processes: shard s owns the fragments p with p mod shards == s."""
+        self.ports = [0] * shards
         self.plan = plan
         self.speeds = speeds or {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.index: dict[str, int] = {}
         self.proxies: dict[str, Any] = {}
         self.threads = max(1, available_cpus() // learners)
-        self.port = 0
         self.pending_restarts = 0
         self.lock = threading.Lock()
         self.driver: ChaosDriver | None = None
@@ -87,31 +89,54 @@ class LocalCluster:
         self.procs[name] = proc
         return proc
 
-    def start_synchronizer(self) -> None:
-        ready = self.out / "synchronizer.ready.json"
-        ready.unlink(missing_ok=True)
-        if self.plan is not None and not self.port:
-            self.port = free_port()
-        listen = f"127.0.0.1:{self.port}"
-        proc = self._spawn("synchronizer", [
-            *_cli(), "synchronizer", "--listen", listen, "--state-dir", str(self.out / "state"),
-            "--config", str(self.cfg_path), "--event-log", str(self.out / "synchronizer.jsonl"), "--ready-file", str(ready)])
-        self.port = wait_ready(proc, ready, timeout_s=120)
+    def synchronizer_name(self, shard: int) -> str:
+        """The process name of ``shard`` (``synchronizer`` when there is one)."""
+        return "synchronizer" if self.shards == 1 else f"synchronizer-{shard}"
+
+    def synchronizer_names(self) -> list[str]:
+        return [self.synchronizer_name(s) for s in range(self.shards)]
+
+    def merge_logs(self) -> list[pathlib.Path]:
+        """Every shard's merge log (``synchronizer.jsonl``, or ``synchronizer-s.jsonl`` per shard)."""
+        return [self.out / f"{name}.jsonl" for name in self.synchronizer_names()]
+
+    def state_dirs(self) -> list[pathlib.Path]:
+        return [self.out / ("state" if self.shards == 1 else f"state-{s}") for s in range(self.shards)]
+
+    def start_synchronizer(self, shard: int | None = None) -> None:
+        """Start every shard (``shard`` None) or one; a restarted shard listens on its old port."""
+        for s in range(self.shards) if shard is None else [shard]:
+            name = self.synchronizer_name(s)
+            ready = self.out / f"{name}.ready.json"
+            ready.unlink(missing_ok=True)
+            if (self.plan is not None or self.shards > 1) and not self.ports[s]:
+                self.ports[s] = free_port()
+            sharding = ["--shard", f"{s}/{self.shards}"] if self.shards > 1 else []
+            proc = self._spawn(name, [
+                *_cli(), "synchronizer", "--listen", f"127.0.0.1:{self.ports[s]}", "--state-dir", str(self.state_dirs()[s]),
+                "--config", str(self.cfg_path), "--event-log", str(self.merge_logs()[s]), "--ready-file", str(ready),
+                *sharding])
+            self.ports[s] = wait_ready(proc, ready, timeout_s=120)
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """The synchronizer's address; with shards, every shard's, comma-separated in shard order."""
+        return ",".join(f"127.0.0.1:{port}" for port in self.ports)
 
     def learner_target(self, lid: str) -> str:
         if self.plan is None:
             return self.target
         from ddiloco.lab.fault_proxy import FaultProxy
 
-        proxy = self.proxies.get(lid)
-        if proxy is None:
-            proxy = self.proxies[lid] = FaultProxy("127.0.0.1", self.port)
-            proxy.start()
-        return f"127.0.0.1:{proxy.port}"
+        ports = []
+        for s, port in enumerate(self.ports):
+            key = lid if s == 0 else f"{lid}@{s}"
+            proxy = self.proxies.get(key)
+            if proxy is None:
+                proxy = self.proxies[key] = FaultProxy("127.0.0.1", port)
+                proxy.start()
+            ports.append(proxy.port)
+        return ",".join(f"127.0.0.1:{port}" for port in ports)
 
     def start_learner(self, lid: str, steps: int | None = None, *, initial: bool = False) -> None:
         """``initial``: one of the run's first learners, started together: each runs every step
@@ -126,7 +151,7 @@ class LocalCluster:
                           *(["--speed", str(self.speeds[lid])] if lid in self.speeds else [])])
 
     def learners(self) -> list[str]:
-        return [name for name in self.procs if name != "synchronizer"]
+        return [name for name in self.procs if not name.startswith("synchronizer")]
 
     def alive_learners(self) -> list[str]:
         return [lid for lid in self.learners() if self.procs[lid].poll() is None]
@@ -226,16 +251,28 @@ class LocalCluster:
         self.driver.later(e.duration_s, resume)
 
     def _kill_synchronizer(self, e: FaultEvent) -> None:
-        proc = self._proc("synchronizer")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        with open(self.out / "synchronizer.jsonl", "a") as f:
-            # no leading newline: a line the killed process left half-written is recovered by the reader
-            f.write(json.dumps(schema.record(schema.SYNCHRONIZER_LOG, schema.SYNC_STOP, {}, t=time.time())) + "\n")
-        self._restart_later(e.restart_after_s if e.restart_after_s is not None else 1.0, self.start_synchronizer)
+        """Every shard (no target), or the one named (``synchronizer-s``)."""
+        names = self.synchronizer_names()
+        if e.target and e.target not in names:
+            raise RuntimeError(f"kill_synchronizer target {e.target!r} is none of this run's {', '.join(names)}")
+        for s, name in enumerate(names):
+            if e.target and e.target != name:
+                continue
+            proc = self._proc(name)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            with open(self.merge_logs()[s], "a") as f:
+                # no leading newline: a line the killed process left half-written is recovered by the reader
+                f.write(json.dumps(schema.record(schema.SYNCHRONIZER_LOG, schema.SYNC_STOP, {}, t=time.time())) + "\n")
+            self._restart_later(e.restart_after_s if e.restart_after_s is not None else 1.0,
+                                lambda s=s: self.start_synchronizer(s))
 
     def _net(self, e: FaultEvent) -> None:
-        proxy = self.proxies[e.target]
+        proxies = [p for key, p in self.proxies.items() if key == e.target or key.startswith(f"{e.target}@")]
+        for proxy in proxies:  # every shard's link of the learner
+            self._net_one(proxy, e)
+
+    def _net_one(self, proxy: Any, e: FaultEvent) -> None:
         if e.net == "reset":
             proxy.reset()
             return

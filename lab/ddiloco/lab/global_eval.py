@@ -37,6 +37,7 @@ from ddiloco.fragments.payload import decode_fragment
 from ddiloco.lab.event_logs import load_jsonl
 from ddiloco.learner.config import load_learner_config
 from ddiloco.protocol.client import fetch_state
+from ddiloco.protocol.shards import synchronizer_targets
 from ddiloco.training.data import eval_batches, load_corpus
 from ddiloco.training.inner_loop import evaluate
 from ddiloco.training.model import build_model
@@ -68,11 +69,21 @@ class GlobalModelEval:
         return evaluate(self.model, self.batches, torch.device("cpu")), {f.index: 0 for f in self.layout}
 
     def fetch(self, target: str, *, final: bool = False, timeout_s: float = 60.0) -> tuple[float, dict[int, int]]:
-        """Fetch the current global model from ``target`` and evaluate it: (loss, fragment -> version)."""
+        """Fetch the current global model from ``target`` (with shards, every shard's address,
+        comma-separated) and evaluate it: (loss, fragment -> version)."""
         limit = self.cfg.protocol.max_chunk_bytes
-        transfers = asyncio.run(asyncio.wait_for(
-            fetch_state(target, max_chunk_bytes=limit, learner_id="evaluator", credentials=self.cfg.credentials),
-            timeout_s))
+
+        async def fetch_all() -> list[Any]:
+            out = []
+            for t in synchronizer_targets(target):
+                out += await fetch_state(t, max_chunk_bytes=limit, learner_id="evaluator",
+                                         credentials=self.cfg.credentials)
+            return out
+
+        transfers = asyncio.run(asyncio.wait_for(fetch_all(), timeout_s))
+        missing = set(range(self.layout.num_fragments)) - {t.header.fragment_id for t in transfers}
+        if missing:
+            raise RuntimeError(f"fragments {sorted(missing)} were served by no synchronizer at {target}")
         versions = {}
         for transfer in transfers:
             scatter(self.layout[transfer.header.fragment_id], decode_fragment(transfer, self.layout), self.params)

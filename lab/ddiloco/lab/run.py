@@ -1,13 +1,14 @@
 """``ddiloco run``: the whole system on one machine, as real processes on loopback.
 
-One synchronizer process and N learner processes, started with the same commands a deployment
+One synchronizer process (or one per shard, ``--shards``) and N learner processes, started with the same commands a deployment
 uses, share one resolved config file in the run folder. The orchestrator only watches: it tails
 the learners' event logs for the progress bar, asks the synchronizer for its status, and at the
 end fetches the global model over gRPC to evaluate it. ``--mode dp`` is the data-parallel
 reference instead: one process training one model on the combined batch for the same number of
 steps (the same tokens).
 
-The run folder holds ``config.yaml``, ``summary.json``, ``synchronizer.jsonl`` (synchronizer),
+The run folder holds ``config.yaml``, ``summary.json``, ``synchronizer.jsonl`` (synchronizer;
+``synchronizer-<s>.jsonl`` per shard),
 ``learners/*.jsonl`` (one per learner), process logs, the synchronizer's state dir, and PNG plots.
 """
 
@@ -42,7 +43,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
     n, steps = int(run["learners"]), int(run["steps"])
     cfg_path = out / "config.yaml"
     cluster = LocalCluster(out, cfg_path, learners=n, steps=steps, plan=plan,
-                           speeds=dict(run.get("learner_speed") or {}))
+                           speeds=dict(run.get("learner_speed") or {}), shards=int(run.get("shards", 1)))
     trained = [0]  # the fleet's tokens so far, for the evaluator's thread
     curve = EvalCurve(out, GlobalModelEval(cfg_path, batches=int(doc["train"]["eval_batches"]),
                                            final_batches=int(run["final_eval_batches"])),
@@ -57,7 +58,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         joined: set[str] = set()
         chaos_started_t: float | None = None
         tails: dict[str, Tail] = {}
-        merges_tail = Tail(out / "synchronizer.jsonl")
+        merges_tails = [Tail(path) for path in cluster.merge_logs()]
         bar = tqdm(total=n * steps, unit="step", disable=not show_progress, dynamic_ncols=True,
                    desc=f"{run['mode']} x{n}" + (" chaos" if plan else ""))
         done: dict[tuple[str, int], int] = {}
@@ -78,7 +79,7 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
 
         while True:
             read_tails()
-            merges += sum(1 for e in merges_tail.read() if e.get("event") == schema.MERGE)
+            merges += sum(1 for tail in merges_tails for e in tail.read() if e.get("event") == schema.MERGE)
             alive = cluster.alive_learners()
             bar.n = min(bar.total, sum(done.values()))
             loss = sum(last_loss.values()) / len(last_loss) if last_loss else float("nan")
@@ -91,9 +92,10 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
                 chaos_started_t = time.time()
             if cluster.finished():
                 break
-            sync = cluster.procs["synchronizer"]
-            if plan is None and sync.poll() is not None:
-                raise RuntimeError(f"synchronizer exited with code {sync.returncode} during the run")
+            for name in cluster.synchronizer_names():
+                sync = cluster.procs[name]
+                if plan is None and sync.poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {sync.returncode} during the run")
             time.sleep(0.5)
         bar.close()
         read_tails()  # the last steps of whoever finished after the loop's last look
@@ -113,10 +115,24 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
 
 
 def _status(target: str) -> dict[str, Any]:
+    """The synchronizer's status; with shards, the first shard's with the refusals of all."""
     from ddiloco.core.config import to_dict
     from ddiloco.protocol.client import get_status
+    from ddiloco.protocol.shards import synchronizer_targets
 
-    return to_dict(asyncio.run(get_status(target)))
+    async def every_shard() -> list[Any]:  # one after another: grpc's poller outlives a loop of concurrent calls
+        return [await get_status(t) for t in synchronizer_targets(target)]
+
+    replies = [to_dict(reply) for reply in asyncio.run(every_shard())]
+    status = dict(replies[0])
+    refused: dict[str, int] = {}
+    for reply in replies:
+        for reason, n in (reply.get("rejected_by_reason") or {}).items():
+            refused[reason] = refused.get(reason, 0) + n
+    status["rejected_by_reason"] = refused
+    if len(replies) > 1:
+        status["shards"] = replies
+    return status
 
 
 def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -128,8 +144,18 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
 
     run = doc["run"]
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
-    merge_log = load_jsonl(out / "synchronizer.jsonl") if (out / "synchronizer.jsonl").exists() else []
+    # every shard's merge log, one after another (a sharded run has synchronizer-<s>.jsonl)
+    merge_log = [e for path in sorted(out.glob("synchronizer*.jsonl")) for e in load_jsonl(path)]
     fleet = fleet_summary(logs, merge_log)
+    shard_logs = sorted(out.glob("synchronizer-*.jsonl"))
+    per_shard = []
+    for path in shard_logs:  # each shard's merges on their own: one shard's outage is not the fleet's
+        of_shard = fleet_summary(logs, load_jsonl(path))
+        per_shard.append({"shard": path.stem.rpartition("-")[2], "merges": of_shard.get("merges"),
+                          "max_merge_gap_s": of_shard.get("max_merge_gap_s"),
+                          "restart_to_first_merge_s": of_shard.get("restart_to_first_merge_s", [])})
+    if per_shard:  # a shard's restart is measured to its own first merge, not the next shard's
+        fleet["restart_to_first_merge_s"] = [t for shard in per_shard for t in shard["restart_to_first_merge_s"]]
     if run["mode"] == "dp":
         # One process training the one model: every step is in the model when it ends. There is
         # nothing to merge, so the merge-based measures do not apply.
@@ -168,6 +194,7 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         "wall_s": result["wall_s"],
         "seed": int(run["seed"]),
         "per_learner": fleet.get("per_learner"),
+        **({"shards": per_shard} if per_shard else {}),
     }
 
 
@@ -219,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chaos", help="fault plan: a YAML/JSON file or a shorthand like random:mtbf=30s")
     parser.add_argument("--out", help="run folder (default runs/<time>-<mode>)")
     parser.add_argument("--seed", type=int, help="seed for model init and data order (default 0)")
+    parser.add_argument("--shards", type=int, help="synchronizer shards (processes; default 1)")
     parser.add_argument("--config", help="YAML/JSON config with sections run, protocol, model, data, train, "
                                          "learner, synchronizer")
     parser.add_argument("--baseline", metavar="auto|RUN_DIR",

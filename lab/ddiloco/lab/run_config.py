@@ -39,6 +39,9 @@ class RunConfig:
     """Evaluate the global model this often while the run trains (0: only at genesis and the end)."""
     chaos_horizon_s: float = 300.0
     """Over how many seconds a ``random:`` fault plan spreads its faults (unless it says)."""
+    shards: int = 1
+    """Synchronizer shards (processes): shard s owns the fragments p with p mod shards == s, each
+    with its own state dir (``state-s``) and merge log (``synchronizer-s.jsonl``)."""
     learner_speed: dict[str, float] = field(default_factory=dict)
     """For experiments with unequal hardware: learner id -> fraction of full speed (0.5: every
     inner step takes twice as long). Learners not named run at full speed."""
@@ -46,6 +49,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.learners < 1 or self.steps < 1:
             raise ValueError("learners and steps must be >= 1")
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
         if self.final_eval_batches < 1:
             raise ValueError(f"final_eval_batches must be >= 1, got {self.final_eval_batches}")
         if self.global_eval_every_s < 0:
@@ -86,8 +91,8 @@ def resolve(args: argparse.Namespace, file_doc: dict[str, Any] | None = None) ->
     file_doc = read_document(args.config) if file_doc is None else file_doc
     check_sections(file_doc, args.config or "config")
     section = dict(file_doc.get("run") or {})
-    section.update({k: getattr(args, k) for k in ("learners", "steps", "mode", "seed")
-                    if getattr(args, k) is not None})
+    section.update({k: getattr(args, k) for k in ("learners", "steps", "mode", "seed", "shards")
+                    if getattr(args, k, None) is not None})
     for item in getattr(args, "learner_speed", None) or ():
         lid, sep, value = item.partition("=")
         try:
@@ -118,4 +123,5 @@ def validate(doc: dict[str, Any]) -> None:
     from ddiloco.synchronizer.config import synchronizer_config
 
     learner_config(doc, synchronizer="127.0.0.1:1", learner_id="learner-0")
-    synchronizer_config(doc)
+    shards = int((doc.get("run") or {}).get("shards", 1))
+    synchronizer_config(doc, shard_index=shards - 1, shard_count=shards)  # more shards than fragments fail here

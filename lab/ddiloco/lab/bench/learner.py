@@ -79,11 +79,12 @@ def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _comm_timing(sync: Any, times: dict[str, list[float]]) -> Iterator[None]:
-    """Time the communication thread's encode (``Link._encode`` of this learner) and decode
+    """Time the communication thread's encode (``Link._encode`` of each of this learner's links) and decode
     (``decode_fragment`` as the session module calls it), restored on exit."""
     from ddiloco.learner import session
 
-    sync.comm.link._encode = _timed(sync.comm.link._encode, times["encode"])
+    for lane in sync.comm.lanes:
+        lane.link._encode = _timed(lane.link._encode, times["encode"])
     original = session.decode_fragment
     session.decode_fragment = _timed(original, times["decode"])  # type: ignore[assignment]
     try:

@@ -17,7 +17,7 @@ from pydantic.dataclasses import dataclass
 from ddiloco.core.config import STRICT, ConfigError, build, check_sections
 from ddiloco.core.modes import apply_mode
 from ddiloco.fragments.codec_names import CodecName
-from ddiloco.protocol.client import check_target
+from ddiloco.protocol.shards import synchronizer_targets
 from ddiloco.protocol.config import ProtocolConfig
 from ddiloco.protocol.credentials import Credentials, read_token
 from ddiloco.training.config import TrainConfig
@@ -32,7 +32,12 @@ class LearnerConfig:
     """Everything one learner process needs."""
 
     synchronizer: str = "127.0.0.1:7000"
-    """HOST:PORT of the synchronizer."""
+    """HOST:PORT of the synchronizer; a sharded synchronizer: one address per shard, comma-separated
+    in shard order, or a pattern holding ``{shard}`` (with ``synchronizer_shards``), such as a
+    headless Service's ``ddiloco-synchronizer-{shard}.ddiloco-synchronizer-shards:7000``."""
+    synchronizer_shards: int | None = None
+    """Number of synchronizer shards (None: one per address listed). Shard s owns the fragments p
+    with p mod S == s; the learner holds one stream per shard."""
     learner_id: str = ""
     """Stable identity; defaults to $HOSTNAME (the pod name on Kubernetes)."""
     shard_index: int = -1
@@ -120,7 +125,7 @@ class LearnerConfig:
                 or self.reconnect_max_s < 0.1):
             raise ValueError("heartbeat_s, wait_timeout_s and join_timeout_s must be > 0 and reconnect_max_s >= 0.1")
         self.data.check_model(self.model)
-        check_target(self.synchronizer)
+        synchronizer_targets(self.synchronizer, self.synchronizer_shards)
         if self.num_shards < 1 or self.shard_index >= self.num_shards:
             raise ValueError(f"need num_shards >= 1 and shard_index < num_shards, got shard_index "
                              f"{self.shard_index}, num_shards {self.num_shards}")
@@ -138,6 +143,11 @@ class LearnerConfig:
     @property
     def resolved_id(self) -> str:
         return self.learner_id or os.environ.get("HOSTNAME") or f"learner-{os.getpid()}"
+
+    @property
+    def targets(self) -> list[str]:
+        """The address of every synchronizer shard, shard 0 first (one, unsharded)."""
+        return synchronizer_targets(self.synchronizer, self.synchronizer_shards)
 
     def resolved_shard(self) -> tuple[int, int]:
         """(shard index, number of shards) of this learner (see ``shard_index``)."""

@@ -185,8 +185,9 @@ def _load_live(model: torch.nn.Module, targets: list[str], cfg: Any, timeout_s: 
     def fits(p: int) -> bool:  # the fragment holds the tensors our layout puts there (names, shapes, dtypes)
         return 0 <= p < layout.num_fragments and _specs(theirs[p]) == _specs(layout[p].tensors)
 
-    # Compared fragment by fragment rather than by the transfers' layout hash: a sharded
-    # synchronizer restarted from its state dir announces the hash of its own partial layout.
+    # Compared fragment by fragment rather than by the transfers' layout hash: a shard serves only
+    # its own fragments (and state dirs of shards made before they recorded the whole model's
+    # layout hash announce the hash of their partial layout).
     if not all(fits(p) for p in theirs):
         raise EvalError(f"the synchronizer at {where} holds another model or layout than this config builds "
                         f"({layout.fingerprint}): {_describe_mismatch(layout, theirs)}. Evaluate with the "

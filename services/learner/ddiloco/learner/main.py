@@ -14,7 +14,10 @@ from ddiloco.core.logs import configure, get_logger
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddiloco learner", description=__doc__)
-    parser.add_argument("--synchronizer", help="HOST:PORT of the synchronizer")
+    parser.add_argument("--synchronizer", help="HOST:PORT of the synchronizer; a sharded one: HOST:PORT,HOST:PORT,... "
+                        "in shard order, or a pattern holding {shard} with --synchronizer-shards")
+    parser.add_argument("--synchronizer-shards", dest="synchronizer_shards", type=int,
+                        help="number of synchronizer shards (default: one per address listed)")
     parser.add_argument("--learner-id", dest="learner_id", help="stable learner identity (default $HOSTNAME)")
     parser.add_argument("--config", help="YAML/JSON config (sections: learner, protocol, model, data, train)")
     parser.add_argument("--steps", type=int, help="inner steps to run")
@@ -37,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from ddiloco.protocol.credentials import TOKEN_ENV
 
     try:
-        cfg = load_learner_config(args.config, synchronizer=args.synchronizer, learner_id=args.learner_id,
+        cfg = load_learner_config(args.config, synchronizer=args.synchronizer,
+                                  synchronizer_shards=args.synchronizer_shards, learner_id=args.learner_id,
                                   shard_index=args.shard_index, num_shards=args.num_shards,
                                   event_log=args.event_log, speed=args.speed,
                                   token_file=args.token_file)

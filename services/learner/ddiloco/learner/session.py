@@ -110,8 +110,15 @@ class Link:
     def __init__(self, cfg: LearnerConfig, *, mailbox: Mailbox, stop: threading.Event, layout: FragmentLayout,
                  model_fingerprint: str, incarnation: int, events: EventLog, held: Callable[[], dict[int, int]],
                  genesis_values: Callable[[], dict[int, torch.Tensor]],
-                 labels: dict[str, str] | None = None) -> None:
+                 labels: dict[str, str] | None = None, target: str | None = None, shard: int = 0, shards: int = 1,
+                 fragments: tuple[int, ...] | None = None, stats: LiveStats | None = None,
+                 draining: threading.Event | None = None) -> None:
         self.cfg = cfg
+        self.target = target or cfg.targets[0]
+        """The address of this link's synchronizer (shard ``shard`` of ``shards``)."""
+        self.shard, self.shards = shard, shards
+        self.fragments = tuple(f.index for f in layout) if fragments is None else fragments
+        """The fragments this shard owns: the only ones this link uploads, holds and sends."""
         self.mailbox = mailbox
         self.stop = stop
         self.labels = dict(labels or {})
@@ -123,14 +130,15 @@ class Link:
         self.held = held
         self.genesis_values = genesis_values
         self.learner_id = cfg.resolved_id
-        self.log = get_logger("ddiloco.learner.comm", learner_id=self.learner_id)
+        self.log = get_logger("ddiloco.learner.comm", learner_id=self.learner_id,
+                              **({"shard": f"{shard}/{shards}"} if shards > 1 else {}))
         self.codec = make_codec(cfg.codec, zstd_level=cfg.zstd_level, threads=cfg.codec_threads)
         self.feedback = ErrorFeedback() if cfg.error_feedback and not self.codec.lossless else None
-        self.stats = LiveStats()
+        self.stats = stats if stats is not None else LiveStats()
         self.join = JoinState()
         self.joined = False
         self.synchronizer_id = ""
-        self.draining = threading.Event()
+        self.draining = draining if draining is not None else threading.Event()
         self.connected = threading.Event()
         self.goodbye = "stopping"
         """The reason sent in the Goodbye when ``stop`` ends the session."""
@@ -201,12 +209,13 @@ class Link:
     async def _session(self) -> None:
         cfg = self.cfg
         creds = cfg.credentials
-        channel = open_channel(cfg.synchronizer, max_message_bytes=message_limit(cfg.protocol.max_chunk_bytes),
+        channel = open_channel(self.target, max_message_bytes=message_limit(cfg.protocol.max_chunk_bytes),
                                credentials=creds)
         stream = SyncStream(channel, max_chunk_bytes=cfg.protocol.max_chunk_bytes, token=creds.token)
         tasks: list[asyncio.Task[Any]] = []
         try:
             welcome = await stream.open(self._hello())
+            self._check_shard(welcome)
             if welcome.state == "genesis_pending":
                 raise _Reconnect("genesis pending at the synchronizer")
             restarted = bool(self.synchronizer_id) and welcome.synchronizer_id != self.synchronizer_id
@@ -247,11 +256,29 @@ class Link:
             if tasks:
                 self.events.emit(schema.DISCONNECT, synchronizer_id=self.synchronizer_id)
 
+    def _check_shard(self, welcome: wire.Welcome) -> None:
+        """The synchronizer at this address must be the shard this link expects: another shard (or
+        an unsharded synchronizer) holds other fragments, and streaming ours to it would be refused
+        fragment by fragment. Before the first join it is a refusal (the addresses are wrong);
+        after, a retry (a shard being replaced)."""
+        theirs = (welcome.shard_index, max(1, welcome.shard_count))
+        if theirs == (self.shard, self.shards):
+            return
+        why = (f"the synchronizer at {self.target} serves shard {theirs[0]}/{theirs[1]}, this learner expects shard "
+               f"{self.shard}/{self.shards} there (learner.synchronizer lists shards in order; "
+               "learner.synchronizer_shards must equal the synchronizers' shard count)")
+        if not self.joined:
+            self.join.error = why
+            self.join.ready.set()
+            self.stop.set()
+        raise _Reconnect(why)
+
     def _hello(self) -> wire.Hello:
+        held = self.held() if self.joined else {}
         return wire.Hello(
             learner_id=self.learner_id, model_fingerprint=self.model_fingerprint,
             layout_hash=self.layout.fingerprint, protocol=wire.ProtocolParams.from_config(self.cfg.protocol),
-            held=self.held() if self.joined else {}, incarnation=self.incarnation,
+            held={p: v for p, v in held.items() if p in self.fragments}, incarnation=self.incarnation,
             software_version=_version(), labels={**self.labels, "pid": str(os.getpid())})
 
     async def _join(self, stream: SyncStream, welcome: wire.Welcome) -> None:
@@ -259,7 +286,8 @@ class Link:
             if self.joined:
                 raise _Reconnect("synchronizer lost its state and asks for genesis; refusing to re-seed it")
             values = self.genesis_values()
-            for frag in self.layout:
+            for p in self.fragments:
+                frag = self.layout[p]
                 self._transfer_id += 1
                 chunks = await asyncio.to_thread(
                     encode_fragment, values[frag.index], frag, codec=make_codec("fp32"), kind="genesis", version=0,
@@ -269,7 +297,7 @@ class Link:
             self.joined = True
             self.join.genesis = True
             self.join.ready.set()
-            self.log.info("genesis uploaded", fragments=self.layout.num_fragments)
+            self.log.info("genesis uploaded", fragments=len(self.fragments))
             return
         if not self.joined:
             self.join.fleet_step = welcome.fleet_step

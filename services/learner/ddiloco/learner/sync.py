@@ -105,6 +105,9 @@ class DecoupledSync:
             self.layout = partition_tensors(list(self.params.items()), p.num_fragments)
         except ValueError as exc:
             raise SyncError(str(exc)) from exc
+        if len(cfg.targets) > p.num_fragments:
+            raise SyncError(f"{len(cfg.targets)} synchronizer shards for {p.num_fragments} fragments: a shard would "
+                            "own none")
         self.fingerprint = fingerprint or parameter_fingerprint(model, model_ref or "")
         self.schedule = FragmentSchedule(num_fragments=p.num_fragments, sync_every=p.sync_every, overlap=p.overlap)
         self.learners_wait = preset(p.mode).learners_wait
@@ -204,15 +207,16 @@ class DecoupledSync:
         timeout_s = self.cfg.join_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         join = self.comm.join
-        while not join.ready.wait(0.1):
+        while not join.wait(0.1):
             if self.comm.draining.is_set():
                 self.log.info("drained before joining")
                 self.close("drained")
                 return None
             if time.monotonic() > deadline:
                 self.close("failed")
-                raise SyncError(f"could not join the synchronizer at {self.cfg.synchronizer} within {timeout_s:g}s "
-                                "(learner.join_timeout_s)")
+                shards = "" if self.comm.shards == 1 else f" (shards {join.pending} of {self.comm.shards} did not answer)"
+                raise SyncError(f"could not join the synchronizer at {self.cfg.synchronizer}{shards} within "
+                                f"{timeout_s:g}s (learner.join_timeout_s)")
         if join.error:
             self.close("failed")
             raise SyncError(f"synchronizer refused this learner: {join.error}")
@@ -223,7 +227,7 @@ class DecoupledSync:
             else:
                 self.start_step = fleet_progress(join.fleet_step, versions, self.cfg.protocol.sync_every, self.steps)
         self.step_count = self.start_step
-        self.local.join({} if join.genesis else join.fetched, self.start_step)
+        self.local.join(join.fetched, self.start_step)  # what a shard this learner seeded holds is its own
         self.joined = True
         params = sum(t.numel() for t in self.params.values())
         self.events.emit(schema.START, start_step=self.start_step, num_fragments=self.layout.num_fragments,

@@ -20,6 +20,7 @@ from ddiloco.core.config import STRICT, ConfigError, build, check_sections
 from ddiloco.core.modes import apply_mode, preset
 from ddiloco.protocol.client import message_limit
 from ddiloco.protocol.config import ProtocolConfig
+from ddiloco.protocol.shards import owner
 
 
 @dataclass(frozen=True, kw_only=True, config=STRICT)
@@ -123,7 +124,7 @@ class SynchronizerConfig:
     max_learners: int = 4096
     """Learner ids tracked at most; beyond it new ids are refused."""
     shard_index: int = 0
-    """This shard's index s (it owns fragments p with p mod shard_count == s)."""
+    """This shard's index s (it owns fragments p with p mod shard_count == s: ``ddiloco.protocol.shards``)."""
     shard_count: int = 1
     """Number of synchronizer shards."""
     metrics_port: int | None = None
@@ -180,6 +181,9 @@ class SynchronizerConfig:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         if not 0 <= self.shard_index < self.shard_count:
             raise ValueError(f"shard_index must be in 0..shard_count-1, got {self.shard_index}/{self.shard_count}")
+        if self.shard_count > self.protocol.num_fragments:
+            raise ValueError(f"{self.shard_count} shards for {self.protocol.num_fragments} fragments: a shard would "
+                             "own none (use at most protocol.num_fragments shards)")
         if self.send_queue_messages < 16 or self.merge_threads < 1 or self.codec_threads < 1:
             raise ValueError("send_queue_messages >= 16, merge_threads >= 1 and codec_threads >= 1 required")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -204,7 +208,7 @@ class SynchronizerConfig:
                              "stall a round that waits for every live learner")
 
     def owns(self, fragment: int) -> bool:
-        return fragment % self.shard_count == self.shard_index
+        return owner(fragment, self.shard_count) == self.shard_index
 
     @property
     def max_message_bytes(self) -> int:

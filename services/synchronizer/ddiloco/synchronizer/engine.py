@@ -103,7 +103,7 @@ class Engine:
                                    norm_guard=NormGuard(cfg.norm_guard), on_clip=self._clipped,
                                    weight_guard=WeightGuard(cfg.weight_guard))
         self.genesis = Genesis(store=self.store, ledger=self.ledger, num_fragments=cfg.protocol.num_fragments,
-                               owned=self.owned, sharded=cfg.shard_count > 1,
+                               owned=self.owned, shard=(cfg.shard_index, cfg.shard_count),
                                protocol=to_dict(self.protocol_params()), history=cfg.staleness_window,
                                run_blocking=self.run_blocking, codec_threads=cfg.codec_threads, wall=wall)
         self.state: LoadedState | None = None

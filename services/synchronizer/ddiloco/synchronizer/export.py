@@ -40,6 +40,7 @@ import pathlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,6 +124,16 @@ def _read_meta(root: pathlib.Path) -> dict:
     return meta
 
 
+def _missing_shards(metas: list[dict[str, Any]]) -> str:
+    """", shards [1] of 2 are missing" when the metas say which shards were given."""
+    given = [str(m.get("shard", "")) for m in metas]
+    if not all(given):
+        return ""
+    count = int(given[0].partition("/")[2])
+    missing = sorted(set(range(count)) - {int(g.partition("/")[0]) for g in given})
+    return f"; shards {missing} of {count} are missing" if missing else ""
+
+
 def read_state(state_dirs: list[str | os.PathLike[str]], pins: dict[int, int] | None = None) -> StateSnapshot:
     """Every fragment's newest verifying committed version (or the pinned one) from ``state_dirs``
     (one, or one per synchronizer shard). Raises ExportError when any fragment has none."""
@@ -138,6 +149,10 @@ def read_state(state_dirs: list[str | os.PathLike[str]], pins: dict[int, int] | 
         if len(meta["layout"]) != len(first["layout"]):
             raise ExportError(f"state dirs {roots[0]} and {root} have different numbers of fragments "
                               f"({len(first['layout'])} vs {len(meta['layout'])})")
+    counts = {str(m.get("shard", "0/1")).partition("/")[2] for m in metas}
+    if len(counts) > 1:
+        raise ExportError(f"the state dirs come from synchronizers of different shard counts ({sorted(counts)}): "
+                          "give the state dirs of one fleet's shards")
     num_fragments = len(first["layout"])
     fragments: dict[int, Fragment] = {}
     sources: dict[int, pathlib.Path] = {}
@@ -162,7 +177,7 @@ def read_state(state_dirs: list[str | os.PathLike[str]], pins: dict[int, int] | 
     absent = [p for p in range(num_fragments) if p not in fragments]
     if absent:
         raise ExportError(f"fragments {absent} are in none of the state dirs given (a sharded synchronizer: "
-                          "pass --state-dir once per shard)")
+                          f"pass --state-dir once per shard{_missing_shards(metas)})")
     layout = FragmentLayout(tuple(fragments[p] for p in range(num_fragments)))
     names = [t.name for frag in layout for t in frag.tensors]
     if len(set(names)) != len(names):

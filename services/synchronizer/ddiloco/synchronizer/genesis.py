@@ -39,10 +39,11 @@ left out (with a warning) rather than cut, which would record an invalid descrip
 
 class Genesis:
     def __init__(self, *, store: StateStore, ledger: Ledger, num_fragments: int, owned: list[int],
-                 sharded: bool, protocol: dict, history: int, run_blocking: Callable[..., Awaitable[Any]],
+                 shard: tuple[int, int], protocol: dict, history: int, run_blocking: Callable[..., Awaitable[Any]],
                  codec_threads: int, wall: Callable[[], float]) -> None:
         self.store, self.ledger = store, ledger
-        self.num_fragments, self.owned, self.sharded = num_fragments, owned, sharded
+        self.num_fragments, self.owned, self.shard = num_fragments, owned, shard
+        self.sharded = shard[1] > 1
         self.protocol, self.history = protocol, history
         self.run_blocking, self.codec_threads, self.wall = run_blocking, codec_threads, wall
         self.owner: str | None = None
@@ -108,7 +109,8 @@ class Genesis:
             for p, (_, values) in staged.items():
                 self.store.commit(FragmentRecord(p, 0, values, torch.zeros_like(values), 0, self.wall()))
             self.store.write_meta(layout=layout, model_fingerprint=hello.model_fingerprint,
-                                  protocol=self.protocol, owned=self.owned, model=model)
+                                  protocol=self.protocol, owned=self.owned, model=model,
+                                  layout_hash=hello.layout_hash, shard=self.shard)
 
         await self.run_blocking(commit)
         self._staging.clear()

@@ -12,6 +12,7 @@ from ddiloco.core.config import read_document
 from ddiloco.core.logs import configure, get_logger
 from ddiloco.core.modes import MODES
 from ddiloco.core.resources import fix_mmap_threshold
+from ddiloco.protocol.shards import parse_shard
 from ddiloco.synchronizer.config import SynchronizerConfig, synchronizer_config
 
 
@@ -21,9 +22,13 @@ def config_from_args(args: argparse.Namespace) -> SynchronizerConfig:
         section = dict(document.get("synchronizer") or {})
         section["policy"] = {**(section.get("policy") or {}), "quorum": args.quorum}
         document = {**document, "synchronizer": section}
+    shard_index = shard_count = None
+    if args.shard is not None:
+        shard_index, shard_count = parse_shard(args.shard)
     return synchronizer_config(document, args.mode, listen=args.listen, state_dir=args.state_dir,
                                metrics_port=args.metrics_port, event_log=args.event_log,
-                               auth_tokens_file=args.auth_tokens_file)
+                               auth_tokens_file=args.auth_tokens_file, shard_index=shard_index,
+                               shard_count=shard_count)
 
 
 async def serve(cfg: SynchronizerConfig, ready_file: str | None = None) -> int:
@@ -54,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML/JSON config file (sections: synchronizer, protocol)")
     parser.add_argument("--mode", choices=MODES, help="mode preset (default: the config's protocol.mode)")
     parser.add_argument("--quorum", type=int, help="minimum quorum K (0 = all live learners)")
+    parser.add_argument("--shard", metavar="s/S",
+                        help="serve shard s of S (it owns fragments p with p mod S == s; its own --state-dir); "
+                             "ordinal/S takes s from the host name's trailing -N (a StatefulSet pod)")
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port")
     parser.add_argument("--auth-tokens-file", dest="auth_tokens_file",
                         help="YAML/JSON file of identity: token (a mounted Secret; re-read when it changes)")

@@ -43,6 +43,11 @@ def load_state(store: StateStore, *, protocol: dict, owned: list[int], history: 
             raise StateError(
                 f"state dir {store.root} was created with {key}={meta['protocol'].get(key)!r}, "
                 f"config says {protocol[key]!r}; use another state dir or the original config")
+    theirs = meta.get("owned_fragments")
+    if theirs is not None and sorted(theirs) != sorted(owned):
+        raise StateError(f"state dir {store.root} holds fragments {sorted(theirs)}, this synchronizer (shard "
+                         f"{meta.get('shard', '?')}) owns {sorted(owned)}: every shard needs a state dir of its own, "
+                         "and the number of shards is fixed for a fleet's life")
     layout = layout_from_json(meta["layout"])
     fragments: dict[int, GlobalFragment] = {}
     merges = 0

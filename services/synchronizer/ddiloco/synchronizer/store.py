@@ -123,16 +123,21 @@ class StateStore:
             raise StateError(f"{path} is unreadable: {exc}") from exc
 
     def write_meta(self, *, layout: FragmentLayout, model_fingerprint: str, protocol: dict,
-                   owned: list[int], model: str | None = None) -> None:
+                   owned: list[int], model: str | None = None, layout_hash: str | None = None,
+                   shard: tuple[int, int] = (0, 1)) -> None:
+        """``layout_hash``: the whole model's layout (a shard's ``layout`` holds only its own
+        fragments; learners announce the whole one); ``shard``: (s, S)."""
         doc = {
             "format": 1,
-            "layout_hash": layout.fingerprint,
+            "layout_hash": layout_hash or layout.fingerprint,
             "layout": layout_to_json(layout),
             "model_fingerprint": model_fingerprint,
             "protocol": protocol,
             "owned_fragments": owned,
             "created_unix": time.time(),
         }
+        if shard != (0, 1):  # additive, like "model": unsharded state dirs stay as they were
+            doc["shard"] = f"{shard[0]}/{shard[1]}"
         # Optional and additive: readers use .get("model"), so "format" stays 1 and state dirs
         # written before (or by learners that send no description) load unchanged.
         if model is not None:
