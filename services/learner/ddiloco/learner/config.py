@@ -17,9 +17,9 @@ from pydantic.dataclasses import dataclass
 from ddiloco.core.config import STRICT, ConfigError, build, check_sections
 from ddiloco.core.modes import apply_mode
 from ddiloco.fragments.codec_names import CodecName
-from ddiloco.protocol.shards import synchronizer_targets
 from ddiloco.protocol.config import ProtocolConfig
 from ddiloco.protocol.credentials import Credentials, read_token
+from ddiloco.protocol.shards import synchronizer_targets
 from ddiloco.training.config import TrainConfig
 from ddiloco.training.data import DataConfig
 from ddiloco.training.model import ModelConfig, model_section
