@@ -54,12 +54,15 @@ def wait_ready(proc: subprocess.Popen[Any], ready: pathlib.Path, timeout_s: floa
 
 class LocalCluster:
     def __init__(self, out: pathlib.Path, cfg_path: pathlib.Path, *, learners: int, steps: int,
-                 plan: FaultPlan | None = None, speeds: dict[str, float] | None = None, shards: int = 1) -> None:
+                 plan: FaultPlan | None = None, speeds: dict[str, float] | None = None, shards: int = 1,
+                 synchronizer_args: tuple[str, ...] = ()) -> None:
         self.out, self.cfg_path = out, cfg_path
         self.n, self.steps = learners, steps
         self.shards = shards
         """Synchronizer processes: shard s owns the fragments p with p mod shards == s."""
         self.ports = [0] * shards
+        self.synchronizer_args = synchronizer_args
+        """Passed to every synchronizer process as well (``bench memory`` runs one shard of several)."""
         self.plan = plan
         self.speeds = speeds or {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -115,7 +118,7 @@ class LocalCluster:
             proc = self._spawn(name, [
                 *_cli(), "synchronizer", "--listen", f"127.0.0.1:{self.ports[s]}", "--state-dir", str(self.state_dirs()[s]),
                 "--config", str(self.cfg_path), "--event-log", str(self.merge_logs()[s]), "--ready-file", str(ready),
-                *sharding])
+                *sharding, *self.synchronizer_args])
             self.ports[s] = wait_ready(proc, ready, timeout_s=120)
 
     @property

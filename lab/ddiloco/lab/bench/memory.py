@@ -54,6 +54,7 @@ from ddiloco.lab.procs import exit_on_sigterm
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import SyncStream, get_status, message_limit, open_channel
 from ddiloco.protocol.config import ProtocolConfig
+from ddiloco.protocol.shards import owned, parse_shard
 
 GOAL_BYTES_PER_PARAM = 12.0
 MIB = 1 << 20
@@ -152,8 +153,10 @@ class SyntheticLearner:
     over the real client (``SyncStream``)."""
 
     def __init__(self, target: str, learner_id: str, layout: FragmentLayout, protocol: ProtocolConfig,
-                 codec: str, threads: int, step_time_s: float) -> None:
+                 codec: str, threads: int, step_time_s: float, fragments: list[int] | None = None) -> None:
         self.learner_id, self.layout, self.protocol = learner_id, layout, protocol
+        self.fragments = [f.index for f in layout] if fragments is None else fragments
+        """The fragments the synchronizer owns (a shard: its share)."""
         self.channel = open_channel(target, max_message_bytes=message_limit(protocol.max_chunk_bytes))
         self.stream = SyncStream(self.channel, max_chunk_bytes=protocol.max_chunk_bytes)
         self.codec = make_codec(codec, threads=threads)
@@ -200,7 +203,8 @@ class SyntheticLearner:
     async def upload_genesis(self, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         fp32 = make_codec("fp32")
-        for frag in self.layout:
+        for p in self.fragments:
+            frag = self.layout[p]
             values = torch.randn(frag.numel, generator=gen).mul_(0.02)
             chunks = await asyncio.to_thread(
                 encode_fragment, values, frag, codec=fp32, kind="genesis", version=0,
@@ -273,8 +277,10 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
     await asyncio.sleep(args.settle_s)
     phases["idle"] = sampler.take()
     say(f"  idle: VmRSS {_mib(phases['idle'].get('VmRSS', 0)):.0f} MiB")
-    learners = [SyntheticLearner(target, f"bench-{i}", layout, protocol, args.codec, threads, args.step_time_s)
-                for i in range(args.learners)]
+    shard, shards = args.shard_of
+    mine = [layout[p] for p in owned(layout.num_fragments, shard, shards)]
+    learners = [SyntheticLearner(target, f"bench-{i}", layout, protocol, args.codec, threads, args.step_time_s,
+                                 [f.index for f in mine]) for i in range(args.learners)]
     timeout_s = 120.0 + 60.0 * args.params / 1e8
 
     def check(learner: SyntheticLearner) -> Callable[[], None]:
@@ -308,11 +314,11 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
         say(f"  genesis: VmRSS {_mib(phases['genesis'].get('VmRSS', 0)):.0f} MiB ({genesis_s:.1f} s)")
 
         gen = torch.Generator().manual_seed(1)
-        noise = {frag.index: torch.randn(frag.numel, generator=gen) for frag in layout}
-        versions = {frag.index: 0 for frag in layout}
+        noise = {frag.index: torch.randn(frag.numel, generator=gen) for frag in mine}
+        versions = {frag.index: 0 for frag in mine}
         t0 = time.perf_counter()
         for r in range(args.rounds):
-            for frag in layout:
+            for frag in mine:
                 p = frag.index
                 for learner in learners:  # answer the synchronizer's request, as a learner does
                     def asked(lr: SyntheticLearner = learner, p: int = p) -> bool:
@@ -380,7 +386,7 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
     finally:
         for learner in learners:
             await learner.close()
-    return {"phases": phases, "counts": counts, "rss_by_round_mib": rss_by_round, "genesis_s": genesis_s,
+    return {"phases": phases, "counts": counts, "shard_params": sum(f.numel for f in mine), "rss_by_round_mib": rss_by_round, "genesis_s": genesis_s,
             "rounds_s": rounds_s, "merges": status.merges_total,
             "versions": {f.fragment_id: f.version for f in status.fragments},
             "rejected_by_reason": dict(status.rejected_by_reason),
@@ -400,6 +406,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[F
                      "--step-time-s > 0")
     if args.codec not in CODEC_NAMES:
         parser.error(f"--codec must be one of {', '.join(CODEC_NAMES)}, got {args.codec!r}")
+    try:
+        args.shard_of = parse_shard(args.shard) if args.shard else (0, 1)
+    except ValueError as exc:
+        parser.error(f"--shard: {exc}")
     protocol_section = {"num_fragments": args.fragments} if args.fragments is not None else {}
     document = {
         "protocol": protocol_section,
@@ -413,7 +423,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[F
     }
     try:
         protocol = ProtocolConfig(**protocol_section)
-        synchronizer_config(document)
+        synchronizer_config(document, shard_index=args.shard_of[0], shard_count=args.shard_of[1])
         layout = synthetic_layout(args.params, protocol.num_fragments)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
@@ -431,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staleness-window", type=int, default=4, help="synchronizer.staleness_window")
     parser.add_argument("--step-time-s", type=float, default=0.01, help="step time the learners report "
                         "(paces the synchronizer's requests)")
+    parser.add_argument("--shard", metavar="s/S", help="run shard s of S synchronizer shards (its share of the "
+                        "fragments; the others are not started: each shard is a process of its own)")
     parser.add_argument("--settle-s", type=float, default=1.0, help="wait before each idle/genesis/steady reading")
     parser.add_argument("--workdir", help="folder for the synchronizer's config, state and log (default: a "
                         "temporary one, removed at the end)")
@@ -452,7 +464,9 @@ def _run(args: argparse.Namespace, layout: FragmentLayout, protocol: ProtocolCon
 
     cfg_path = work / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(document))
-    cluster = LocalCluster(work, cfg_path, learners=1, steps=1)
+    shard, shards = args.shard_of
+    cluster = LocalCluster(work, cfg_path, learners=1, steps=1,
+                           synchronizer_args=("--shard", f"{shard}/{shards}") if shards > 1 else ())
     quiet = args.json
 
     def say(line: str) -> None:
@@ -511,6 +525,9 @@ def _result(args: argparse.Namespace, protocol: ProtocolConfig, run: dict[str, A
     return {
         "benchmark": "memory", "machine": platform.machine(), "cpus": available_cpus(), "torch": torch.__version__,
         "params": n, "fragments": protocol.num_fragments, "learners": args.learners, "rounds": args.rounds,
+        "shard": f"{args.shard_of[0]}/{args.shard_of[1]}",
+        "shard_params": run["shard_params"],
+        "bytes_per_shard_param_steady": steady_bpp * n / run["shard_params"],
         "codec": args.codec, "global_codec": protocol.global_codec, "staleness_window": args.staleness_window,
         "memory_bytes": {**phases, "peak": peak},
         "bytes_per_param_genesis": (genesis["VmRSS"] - idle["VmRSS"]) / n,
@@ -520,8 +537,9 @@ def _result(args: argparse.Namespace, protocol: ProtocolConfig, run: dict[str, A
         "bytes_per_param_peak": (hwm - idle["VmRSS"]) / n,
         "bytes_per_param_peak_anon": per_param(peak, "RssAnon"),
         "goal_bytes_per_param": GOAL_BYTES_PER_PARAM, "meets_goal": steady_bpp <= GOAL_BYTES_PER_PARAM,
-        "bytes_per_param_means": "(synchronizer VmRSS at steady state - VmRSS idle before genesis) / params; "
-                                 "peak: (VmHWM - idle VmRSS) / params",
+        "bytes_per_param_means": "(synchronizer VmRSS at steady state - VmRSS idle before genesis) / params "
+                                 "(of the whole model, also for one shard); peak: (VmHWM - idle VmRSS) / params; "
+                                 "bytes_per_shard_param: the same over the parameters the shard owns",
         "synchronizer": synchronizer_source(),
         "rss_by_round_mib": run["rss_by_round_mib"],
         "bytes_per_param_by_round": [(mib * MIB - idle["VmRSS"]) / n for mib in run["rss_by_round_mib"]],
