@@ -154,6 +154,8 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         per_shard.append({"shard": path.stem.rpartition("-")[2], "merges": of_shard.get("merges"),
                           "max_merge_gap_s": of_shard.get("max_merge_gap_s"),
                           "restart_to_first_merge_s": of_shard.get("restart_to_first_merge_s", [])})
+    for shard, reply in zip(per_shard, (result.get("status") or {}).get("shards") or [], strict=False):
+        shard["fleet_step"] = reply.get("fleet_step")  # each shard counts the fleet's steps itself
     if per_shard:  # a shard's restart is measured to its own first merge, not the next shard's
         fleet["restart_to_first_merge_s"] = [t for shard in per_shard for t in shard["restart_to_first_merge_s"]]
     if run["mode"] == "dp":
