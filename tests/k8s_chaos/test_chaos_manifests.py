@@ -34,6 +34,10 @@ NAMESPACE = "ddiloco"
 CHART_LABELS = {"app.kubernetes.io/name": "ddiloco", "app.kubernetes.io/instance": "ddiloco"}
 COMPONENT_LABEL = "app.kubernetes.io/component"
 LEARNER_GROUP = {"ddiloco.io/learner-group": "main"}
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+"""Not the chart's: the StatefulSet controller puts it on each pod (Kubernetes 1.28+), the pod's
+ordinal, which is its shard with a sharded synchronizer. A synchronizer selector may add it to
+pick one shard."""
 CHAOS_LABEL = {"ddiloco.io/chaos": "true"}
 LOCAL_KIND_ANNOTATION = "ddiloco.io/local-kind"
 CHAOS_KINDS = {"PodChaos": "podChaos", "NetworkChaos": "networkChaos", "StressChaos": "stressChaos"}
@@ -280,6 +284,9 @@ def test_selects_only_the_charts_pods_in_the_namespace(name: str, doc: dict) -> 
         if component == "learner":
             for key, value in LEARNER_GROUP.items():
                 assert labels.pop(key, None) == value, f"{name} {where}: a learner selector needs {key}: {value}"
+        if component == "synchronizer" and POD_INDEX_LABEL in labels:
+            index = labels.pop(POD_INDEX_LABEL)
+            assert re.fullmatch(r"0|[1-9][0-9]*", index), f"{name} {where}: {POD_INDEX_LABEL} {index!r} is no ordinal"
         assert labels == {}, f"{name} {where}: labels the chart does not set: {labels}"
     for where, _, spec, _ in chaos_specs(doc):
         if "containerNames" in spec:

@@ -28,9 +28,52 @@ the chart name; fullnameOverride replaces it.
 {{- printf "%s-learner" (include "ddiloco.fullname" .) -}}
 {{- end -}}
 
-{{/* The address learners dial: the synchronizer Service's name and gRPC port. */}}
+{{/* The StatefulSet's governing (headless) Service: per-pod DNS names <pod>.<this>.<namespace>.svc. */}}
+{{- define "ddiloco.synchronizerHeadlessName" -}}
+{{- printf "%s-headless" (include "ddiloco.synchronizerName" .) -}}
+{{- end -}}
+
+{{/* The number of synchronizer shards S (synchronizer.shards). */}}
+{{- define "ddiloco.shards" -}}
+{{- int (default 1 .Values.synchronizer.shards) -}}
+{{- end -}}
+
+{{/*
+The address learners dial. One shard: the synchronizer Service's name and gRPC port. S > 1: a
+pattern naming each shard's pod through the headless Service, which the learners expand for
+{shard} in 0..S-1 (--synchronizer-shards S); a ClusterIP Service would spread a learner's streams
+over shards that own different fragments.
+*/}}
 {{- define "ddiloco.synchronizerAddress" -}}
+{{- if gt (int (include "ddiloco.shards" .)) 1 -}}
+{{- printf "%s-{shard}.%s.%s.svc:%d" (include "ddiloco.synchronizerName" .) (include "ddiloco.synchronizerHeadlessName" .) .Release.Namespace (int .Values.synchronizer.port) -}}
+{{- else -}}
 {{- printf "%s:%d" (include "ddiloco.synchronizerName" .) (int .Values.synchronizer.port) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The shard count the running synchronizer StatefulSet of this release was deployed with (its pods'
+`--shard ordinal/S`; 1 without that flag), or "" when there is none to look up: a first install,
+or `helm template` and client-side dry runs, where lookup returns nothing.
+*/}}
+{{- define "ddiloco.deployedShards" -}}
+{{- $sts := lookup "apps/v1" "StatefulSet" .Release.Namespace (include "ddiloco.synchronizerName" .) -}}
+{{- if $sts -}}
+{{- $shards := 1 -}}
+{{- range $c := $sts.spec.template.spec.containers -}}
+{{- if eq $c.name "synchronizer" -}}
+{{- $next := false -}}
+{{- range $arg := (default list $c.args) -}}
+{{- if $next -}}
+{{- $shards = int (last (splitList "/" (toString $arg))) -}}
+{{- end -}}
+{{- $next = eq (toString $arg) "--shard" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $shards -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "ddiloco.chart" -}}
@@ -157,6 +200,27 @@ rendered) includes it, so `helm template`, `helm install`, `helm upgrade` and `h
 {{- if ne (int $v.synchronizer.replicas) 1 -}}
 {{- fail (printf "synchronizer.replicas must be 1, got %v: the synchronizer holds the only durable copy of the model, and two replicas would each own it (learners ride out its restarts)" $v.synchronizer.replicas) -}}
 {{- end -}}
+{{- /* shards: fixed for a fleet's life, and each one owning at least one fragment */ -}}
+{{- $shards := int (include "ddiloco.shards" .) -}}
+{{- $deployed := include "ddiloco.deployedShards" . -}}
+{{- if and $deployed (ne (int $deployed) $shards) -}}
+{{- fail (printf "synchronizer.shards is %d, but the running StatefulSet %s-synchronizer was deployed with %s shard(s): the shard count is fixed for a fleet's life (each shard's state holds only the fragments p %% S it owned, and nothing moves fragments between shards). Keep synchronizer.shards: %s; a new shard count is a new run: a new release, or uninstall and delete every state-%s-synchronizer-N claim first" $shards $fullname $deployed $deployed $fullname) -}}
+{{- end -}}
+{{- $protocolValues := default dict (get (default dict $v.config) "protocol") -}}
+{{- if gt $shards 1 -}}
+{{- $fragments := 0 -}}
+{{- $source := "" -}}
+{{- if eq (toString (default "decoupled" (get $protocolValues "mode"))) "diloco" -}}
+{{- $fragments = 1 -}}
+{{- $source = "config.protocol.mode diloco: one fragment" -}}
+{{- else if hasKey $protocolValues "num_fragments" -}}
+{{- $fragments = int (get $protocolValues "num_fragments") -}}
+{{- $source = "config.protocol.num_fragments" -}}
+{{- end -}}
+{{- if and (gt $fragments 0) (lt $fragments $shards) -}}
+{{- fail (printf "synchronizer.shards is %d but the model has only %d fragment(s) (%s): shard s owns the fragments p with p %% S == s, so %d shard(s) would own nothing. Use at most %d shard(s), or more fragments" $shards $fragments $source (sub $shards $fragments) $fragments) -}}
+{{- end -}}
+{{- end -}}
 {{- if gt (len (printf "%s-synchronizer" $fullname)) 52 -}}
 {{- fail (printf "the name prefix %q is too long: \"<fullname>-synchronizer\" must fit the 52 characters of a StatefulSet name; shorten the release name or set fullnameOverride" $fullname) -}}
 {{- end -}}
@@ -187,8 +251,8 @@ rendered) includes it, so `helm template`, `helm install`, `helm upgrade` and `h
 {{- end -}}
 {{- /* the config value: sections the services read, no keys the chart owns, no inline tokens */ -}}
 {{- $config := default dict $v.config -}}
-{{- $owned := dict "synchronizer" (list "listen" "state_dir" "metrics_port" "metrics_host" "identity_binding" "auth_tokens_file" "tls_cert" "tls_key" "tls_client_ca") "learner" (list "synchronizer" "learner_id" "metrics_port" "metrics_host" "token_file" "tls_ca" "tls_cert" "tls_key") -}}
-{{- $where := dict "listen" "synchronizer.port" "state_dir" "synchronizer.persistence" "metrics_port" "synchronizer.metricsPort / learners.metricsPort" "metrics_host" "nothing (the chart binds 0.0.0.0)" "identity_binding" "auth.identityBinding" "auth_tokens_file" "auth.tokens.existingSecret" "tls_cert" "tls.existingSecret / tls.learnerSecret" "tls_key" "tls.existingSecret / tls.learnerSecret" "tls_client_ca" "tls.mutual" "tls_ca" "tls.enabled" "synchronizer" "nothing (learners dial the synchronizer Service)" "learner_id" "nothing (each learner's id is its pod name)" "token_file" "auth.learners.existingSecret / learners.groups[].tokenSecret" -}}
+{{- $owned := dict "synchronizer" (list "listen" "state_dir" "shard_index" "shard_count" "metrics_port" "metrics_host" "identity_binding" "auth_tokens_file" "tls_cert" "tls_key" "tls_client_ca") "learner" (list "synchronizer" "synchronizer_shards" "learner_id" "metrics_port" "metrics_host" "token_file" "tls_ca" "tls_cert" "tls_key") -}}
+{{- $where := dict "listen" "synchronizer.port" "state_dir" "synchronizer.persistence" "metrics_port" "synchronizer.metricsPort / learners.metricsPort" "metrics_host" "nothing (the chart binds 0.0.0.0)" "identity_binding" "auth.identityBinding" "auth_tokens_file" "auth.tokens.existingSecret" "tls_cert" "tls.existingSecret / tls.learnerSecret" "tls_key" "tls.existingSecret / tls.learnerSecret" "tls_client_ca" "tls.mutual" "tls_ca" "tls.enabled" "shard_index" "synchronizer.shards (each pod takes its shard from its ordinal)" "shard_count" "synchronizer.shards" "synchronizer_shards" "synchronizer.shards" "synchronizer" "nothing (learners dial the synchronizer Service, or its shards)" "learner_id" "nothing (each learner's id is its pod name)" "token_file" "auth.learners.existingSecret / learners.groups[].tokenSecret" -}}
 {{- range $section, $keys := $owned -}}
 {{- $s := get $config $section -}}
 {{- if kindIs "map" $s -}}
