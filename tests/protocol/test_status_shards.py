@@ -14,6 +14,7 @@ import dataclasses
 import io
 import json
 import socket
+import time
 
 import pytest
 
@@ -53,15 +54,16 @@ async def _genesis(server, learner: ScriptedLearner, shard: int, shards: int) ->
     learner.start_pump()
 
 
-async def _status(*args: str) -> tuple[int, str, str]:
+def _run(*args: str) -> tuple[int, str, str]:
     """``ddiloco status ARGS``: exit status, stdout, stderr (the servers log through their own stream)."""
-    def run() -> tuple[int, str, str]:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(["--timeout", "3", *args])
-        return code, out.getvalue(), err.getvalue()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
 
-    return await asyncio.to_thread(run)
+
+async def _status(*args: str) -> tuple[int, str, str]:
+    return await asyncio.to_thread(_run, "--timeout", "3", *args)
 
 
 def _table(out: str, heading: str) -> list[list[str]]:
@@ -180,6 +182,24 @@ async def test_a_shard_that_does_not_answer_is_a_row_and_a_non_zero_exit(tmp_pat
         assert code == EXIT_UNREACHABLE
         shards = json.loads(out)["shards"]
         assert shards[0]["reachable"] and not shards[1]["reachable"] and "UNAVAILABLE" in shards[1]["error"]
+
+
+async def test_the_shards_are_asked_at_once_each_within_the_timeout():
+    # two listeners that never answer: a deadline each, waited out side by side
+    holes = [socket.socket() for _ in range(2)]
+    try:
+        for hole in holes:
+            hole.bind(("127.0.0.1", 0))
+            hole.listen()
+        spec = ",".join(f"127.0.0.1:{h.getsockname()[1]}" for h in holes)
+        t0 = time.monotonic()
+        code, out, err = await asyncio.to_thread(_run, "--timeout", "1.5", "--synchronizer", spec)
+        elapsed = time.monotonic() - t0
+    finally:
+        for hole in holes:
+            hole.close()
+    assert code == EXIT_UNREACHABLE and out.count("unreachable: DEADLINE_EXCEEDED") == 2, out + err
+    assert elapsed < 2.9, f"{elapsed:.1f}s: the shards were asked one after the other"
 
 
 async def test_one_synchronizer_at_two_addresses_is_refused_or_reported(tmp_path):
