@@ -1,11 +1,19 @@
-"""Prometheus metrics of the synchronizer, on a registry of its own (several may share a process)."""
+"""Prometheus metrics of the synchronizer, on a registry of its own (several may share a process).
+
+A shard of a sharded synchronizer (``shard_count`` > 1) labels every sample it exports with
+``shard="s"``: the metrics are registered on an inner registry, and the registry that is served
+(``registry``) adds the label to each sample as it is collected (prometheus_client has no constant
+labels). An unsharded synchronizer exports exactly what it did before sharding existed, no label.
+"""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ddiloco.core import build_labels
@@ -28,9 +36,29 @@ class _LearnerUp(Collector):
         yield family
 
 
+class _ShardLabel(Collector):
+    """Everything ``inner`` collects, each sample labelled ``shard`` while ``shard`` is set."""
+
+    def __init__(self, inner: CollectorRegistry) -> None:
+        self.inner = inner
+        self.shard: str | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        shard = self.shard
+        for family in self.inner.collect():
+            if shard is not None:
+                family = copy.copy(family)
+                family.samples = [s._replace(labels={**s.labels, "shard": shard}) for s in family.samples]
+            yield family
+
+    def describe(self) -> list[Metric]:
+        """The inner families (their names are what a scrape restricted by ``name[]`` looks up)."""
+        return list(self.inner.collect())
+
+
 class SynchronizerMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        r = CollectorRegistry()
         labels = build_labels("synchronizer")
         self.build_info = Gauge("ddiloco_build_info", "Build of this process (always 1)", list(labels), registry=r)
         self.build_info.labels(**labels).set(1)
@@ -63,6 +91,15 @@ class SynchronizerMetrics:
                                      "Calls refused for their credentials", ["reason"], registry=r)
         self.dropped_results = Counter("ddiloco_sync_dropped_control_messages_total",
                                        "Control messages dropped from full learner queues", registry=r)
+        self._shard_label = _ShardLabel(r)
+        self.registry = CollectorRegistry()
+        """What is exported: every metric above, labelled by shard once ``set_shard`` made it a shard."""
+        self.registry.register(self._shard_label)
+
+    def set_shard(self, shard_index: int, shard_count: int) -> None:
+        """Label every sample ``shard="<shard_index>"`` when the synchronizer is one of
+        ``shard_count`` > 1 shards; no label when it is the only one."""
+        self._shard_label.shard = str(shard_index) if shard_count > 1 else None
 
     def watch_learners(self, source: Callable[[], Iterable[tuple[str, bool]]]) -> None:
         """``source()`` -> (learner id, live) of every known learner, called at each scrape."""

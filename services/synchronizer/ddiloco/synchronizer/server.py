@@ -324,6 +324,7 @@ class SynchronizerServer:
         if cfg.auth_tokens:
             log.warning("auth_tokens are written inline in the config; deployments should use auth_tokens_file")
         self.engine = engine or Engine(cfg)
+        self.engine.metrics.set_shard(cfg.shard_index, cfg.shard_count)
         self.parts = ServicerParts(metrics=self.engine.metrics, limits=cfg.limits,
                                    max_chunk_bytes=cfg.protocol.max_chunk_bytes, log=self.engine.log,
                                    clock=self.engine.clock)
