@@ -203,3 +203,34 @@ def test_one_shard_down_stalls_only_its_own_fragments(tmp_path):
     assert math.isfinite(steps[-1]["loss"])
     merged = [e for e in _events(tmp_path / "sync-1.jsonl") if e["event"] == "merge"]
     assert {e["fragment"] for e in merged} == OWNED[1]
+
+
+def test_eval_reads_the_live_model_from_every_shard(tmp_path, capsys):
+    from ddiloco.learner.config import load_learner_config
+    from ddiloco.learner.eval_cmd import main as eval_main
+    from ddiloco.training.data import eval_batches, load_corpus
+    from ddiloco.training.inner_loop import evaluate
+    from ddiloco.training.model import build_model
+
+    config = tmp_path / "config.yaml"
+    config.write_text("protocol: {num_fragments: 3, sync_every: 4, mode: decoupled, global_codec: fp32}\n"
+                      "model: {d_model: 32, n_layer: 1, n_head: 2, context: 32}\n"
+                      "data: {batch_size: 4, context: 32, max_bytes: 200000}\n"
+                      "train: {eval_batches: 2}\n")
+    cfg = load_learner_config(str(config))
+    model = build_model(cfg.model, 7)
+    with _shard(tmp_path, 0, config) as first, _shard(tmp_path, 1, config) as second:
+        sync = DecoupledSync(model, synchronizer=f"{first},{second}", learner_id="a", config=cfg,
+                             join_timeout_s=60.0)
+        try:
+            assert sync.join() == 0  # the genesis upload: shard 0 holds fragments 0 and 2, shard 1 fragment 1
+        finally:
+            sync.close()
+        capsys.readouterr()
+        assert eval_main(["--synchronizer", f"{first},{second}", "--config", str(config), "--json"]) == 0
+        live = json.loads(capsys.readouterr().out)["loss"]
+        assert eval_main(["--synchronizer", first, "--config", str(config)]) == 2
+        assert "fragments [1] are missing" in capsys.readouterr().err
+    corpus = load_corpus(cfg.data)
+    local = evaluate(model, eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, 2), torch.device("cpu"))
+    assert live == pytest.approx(local, abs=1e-6)

@@ -254,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-file", metavar="FILE.safetensors", help="weights written by ddiloco export")
     source.add_argument("--synchronizer", action="append", metavar="HOST:PORT",
-                        help="the live global model of this synchronizer (a sharded one: once per shard)")
+                        help="the live global model of this synchronizer (a sharded one: once per shard, or "
+                             "HOST:PORT,HOST:PORT,..., or a {shard} pattern with --shards)")
+    parser.add_argument("--shards", type=_positive, help="synchronizer shards a {shard} pattern expands to")
     parser.add_argument("--config", help="the run's YAML/JSON config (model, data, train, protocol, credentials); "
                                          "default: the built-in defaults")
     parser.add_argument("--batches", type=_positive, help="held-out batches (default: the config's train.eval_batches)")
@@ -274,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     configure()  # logs (e.g. a corpus cache being built) go to stderr; stdout carries the result
     from ddiloco.core.resources import available_cpus
     from ddiloco.learner.config import load_learner_config
-    from ddiloco.protocol.client import check_target
     from ddiloco.protocol.credentials import TOKEN_ENV
+    from ddiloco.protocol.shards import synchronizer_targets
 
     def fail(message: str) -> int:
         print(f"ddiloco eval: {message}", file=sys.stderr)
@@ -288,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, token=os.environ[TOKEN_ENV])
     except ValueError as exc:
         return fail(str(exc))
-    for target in args.synchronizer or ():
-        try:
-            check_target(target)
+    if args.synchronizer:
+        try:  # each value one address, a list or a pattern: one address per shard in all
+            args.synchronizer = [t for spec in args.synchronizer
+                                 for t in synchronizer_targets(spec, args.shards if "{shard}" in spec else None)]
         except ValueError as exc:
             return fail(str(exc))
     import torch
