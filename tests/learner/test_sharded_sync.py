@@ -73,6 +73,10 @@ def test_two_shards_merge_their_own_fragments_and_the_model_is_put_together_from
         assert sync.comm.shards == 2
         gen = torch.Generator().manual_seed(1)
         assert sync.join() == 0
+        deadline = time.monotonic() + 30
+        while sync.metrics.connected._value.get() != 2 and time.monotonic() < deadline:  # one stream per shard
+            time.sleep(0.05)
+        assert sync.metrics.connected._value.get() == 2
         losses = []
         for _ in range(40):
             losses.append(_step(model, opt, gen))
@@ -81,6 +85,8 @@ def test_two_shards_merge_their_own_fragments_and_the_model_is_put_together_from
         assert losses[-1] < losses[0] / 2
         start = next(e for e in _events(log) if e["event"] == "start")
         assert start["genesis"] is True
+        connects = sorted(e["synchronizer_shard"] for e in _events(log) if e["event"] == "connect")
+        assert connects == ["0/2", "1/2"]
         assert min(sync.versions.values()) >= 1, f"a fragment never merged: {sync.versions}"
         for s in (0, 1):
             merged = {e["fragment"] for e in _events(tmp_path / f"sync-{s}.jsonl") if e["event"] == "merge"}

@@ -26,7 +26,10 @@ class LearnerMetrics:
         self.bytes_received = Counter("ddiloco_learner_received_bytes_total", "Global payload bytes received",
                                       registry=r)
         self._bytes_seen = (0, 0)
-        self.connected = Gauge("ddiloco_learner_connected", "1 while the Sync stream is up", registry=r)
+        self.connected = Gauge("ddiloco_learner_connected",
+                               "Sync streams up: 1 while connected (a sharded synchronizer: one per shard)",
+                               registry=r)
+        self._streams_up: set[str] = set()
 
     def observe(self, event: str, fields: dict) -> None:
         """An event-log observer: the counters that follow from the learner's events."""
@@ -39,7 +42,9 @@ class LearnerMetrics:
         elif event == schema.APPLY:
             self.applies.inc()
         elif event in (schema.CONNECT, schema.DISCONNECT):
-            self.connected.set(1 if event == schema.CONNECT else 0)
+            shard = str(fields.get("synchronizer_shard", ""))
+            (self._streams_up.add if event == schema.CONNECT else self._streams_up.discard)(shard)
+            self.connected.set(len(self._streams_up))
 
     def stepped(self, tokens: int, loss: float | None, blocked_s: float, tokens_per_s: float,
                 sent_total: int, received_total: int) -> None:

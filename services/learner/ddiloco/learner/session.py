@@ -225,7 +225,7 @@ class Link:
             self.connected.set()
             self._backoff.connected()
             self.events.emit(schema.CONNECT, synchronizer_id=welcome.synchronizer_id, state=welcome.state,
-                             restarted=restarted)
+                             restarted=restarted, **self._shard_field())
             self.mailbox.requeue_unacked()
             tasks = [asyncio.create_task(self._sender(stream)), asyncio.create_task(self._receiver(stream)),
                      asyncio.create_task(self._heartbeats(stream)), asyncio.create_task(self._stopper())]
@@ -254,7 +254,11 @@ class Link:
             await stream.close()
             await channel.close()
             if tasks:
-                self.events.emit(schema.DISCONNECT, synchronizer_id=self.synchronizer_id)
+                self.events.emit(schema.DISCONNECT, synchronizer_id=self.synchronizer_id, **self._shard_field())
+
+    def _shard_field(self) -> dict[str, str]:
+        """The events' ``synchronizer_shard``, when the synchronizer is sharded."""
+        return {"synchronizer_shard": f"{self.shard}/{self.shards}"} if self.shards > 1 else {}
 
     def _check_shard(self, welcome: wire.Welcome) -> None:
         """The synchronizer at this address must be the shard this link expects: another shard (or
