@@ -7,9 +7,15 @@ wraps. The synchronizer's state lives on a named volume, made with the Docker SD
 (testcontainers makes none), and every container, the network and the volume carry this
 session's testcontainers label, so whatever a broken test leaves behind can be found.
 
+The synchronizer may be sharded (``shards=S``, default 1): then ``synchronizer-0`` ..
+``synchronizer-<S-1>`` each run ``--shard s/S`` with a volume and an event log
+(``synchronizer-<s>.jsonl``) of their own, and learners dial every shard by its name on the
+network (``--synchronizer synchronizer-0:7000,synchronizer-1:7000``). With one shard every name,
+file and argument is the unsharded one (``synchronizer``, ``synchronizer.jsonl``, no ``--shard``).
+
 Every container writes its JSON event log into one host folder (bind-mounted at ``/events``), so
-the run is checked exactly like a ``ddiloco run`` folder: merge log, learner logs, contribution
-accounting and the chaos invariants of ``ddiloco.lab.invariants``.
+the run is checked exactly like a ``ddiloco run`` folder: merge log (every shard's log together),
+learner logs, contribution accounting and the chaos invariants of ``ddiloco.lab.invariants``.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from typing import Any, Self
 
 from docker.client import DockerClient
 from docker.models.containers import Container
+from docker.models.volumes import Volume
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.labels import LABEL_SESSION_ID, SESSION_ID
 from testcontainers.core.network import Network
 
 from ddiloco.lab import invariants
-from ddiloco.lab.event_logs import load_run_dir
+from ddiloco.lab.event_logs import MERGE_LOG_EVENTS, load_jsonl, load_run_dir
 from ddiloco.lab.goodput import fleet_summary
 
 CONFIG = """\
@@ -73,15 +80,20 @@ class _Container(DockerContainer):
 
 
 class Fleet:
-    """Containers of one scenario; ``close()`` removes every container, the network and volume."""
+    """Containers of one scenario; ``close()`` removes every container, the network and the volumes."""
 
     def __init__(self, client: DockerClient, images: dict[str, str], mounts: Iterable[Mount],
-                 command: Callable[..., list[str]], workdir: pathlib.Path, config: str = CONFIG) -> None:
-        """``client``: the engine's Docker SDK client (the volume, and the verbs testcontainers
+                 command: Callable[..., list[str]], workdir: pathlib.Path, config: str = CONFIG,
+                 shards: int = 1) -> None:
+        """``client``: the engine's Docker SDK client (the volumes, and the verbs testcontainers
         lacks); ``images``: role ("synchronizer", "learner") -> image; ``mounts``: what every
         container mounts besides the event folder and the config; ``command(*args)``: the
-        container command line of ``ddiloco *args`` in those images."""
+        container command line of ``ddiloco *args`` in those images; ``shards``: how many
+        synchronizer shards (each its own container and volume)."""
+        if shards < 1:
+            raise ValueError(f"shards must be at least 1, got {shards}")
         self.client, self.images, self.mounts, self.command = client, images, list(mounts), command
+        self.shards = shards
         self.tag = uuid.uuid4().hex[:8]
         self.events = workdir / "events"
         self.events.mkdir(mode=0o777)
@@ -94,11 +106,39 @@ class Fleet:
         self._learner_runs: dict[str, int] = {}
         self.network = Network(docker_client_kw={"timeout": ENGINE_TIMEOUT_S},
                                docker_network_kw={"driver": "bridge"}).create()
+        self.volumes: list[Volume] = []
         try:
-            self.volume = client.volumes.create(f"ddiloco-state-{self.tag}", labels={LABEL_SESSION_ID: SESSION_ID})
+            for shard in range(shards):
+                suffix = "" if shards == 1 else f"-{shard}"
+                self.volumes.append(client.volumes.create(f"ddiloco-state-{self.tag}{suffix}",
+                                                          labels={LABEL_SESSION_ID: SESSION_ID}))
         except BaseException:
+            for volume in self.volumes:
+                with contextlib.suppress(Exception):
+                    volume.remove(force=True)
             self.network.remove()
             raise
+
+    @property
+    def volume(self) -> Volume:
+        """The (first) synchronizer shard's volume: the only one when unsharded."""
+        return self.volumes[0]
+
+    def synchronizer_name(self, shard: int | None = None) -> str:
+        """Container name and network alias of ``shard`` (None: shard 0, the only one unsharded)."""
+        shard = 0 if shard is None else shard
+        if not 0 <= shard < self.shards:
+            raise ValueError(f"no shard {shard} among {self.shards}")
+        return "synchronizer" if self.shards == 1 else f"synchronizer-{shard}"
+
+    def synchronizer_log(self, shard: int | None = None) -> pathlib.Path:
+        """The host path of ``shard``'s event log (its merge log)."""
+        return self.events / f"{self.synchronizer_name(shard)}.jsonl"
+
+    @property
+    def synchronizer_address(self) -> str:
+        """What learners dial: every shard's alias on the network, shard 0 first."""
+        return ",".join(f"{self.synchronizer_name(s)}:7000" for s in range(self.shards))
 
     # -- containers ----------------------------------------------------------------------------
 
@@ -123,15 +163,26 @@ class Fleet:
         self.containers[name] = container
         return container.start()
 
-    def start_synchronizer(self, *extra: str) -> DockerContainer:
-        # learners dial it by its alias on the network: synchronizer:7000
-        return self._run("synchronizer", "synchronizer",
+    def start_synchronizer(self, *extra: str, shard: int | None = None) -> DockerContainer:
+        """Start one synchronizer shard (None: shard 0, the only one unsharded); see
+        ``start_synchronizers`` for all of them."""
+        shard = 0 if shard is None else shard
+        # learners dial it by its alias on the network: synchronizer:7000 (synchronizer-<s>:7000)
+        name = self.synchronizer_name(shard)
+        sharding = [] if self.shards == 1 else ["--shard", f"{shard}/{self.shards}"]
+        return self._run("synchronizer", name,
                          ["synchronizer", "--listen", "0.0.0.0:7000", "--state-dir", "/state",
                           "--config", "/etc/ddiloco/config.yaml", "--quorum", "1",
-                          "--event-log", "/events/synchronizer.jsonl", *extra],
-                         mounts=[(self.volume.name, "/state", "rw")], loopback_ports=["7000/tcp"])
+                          "--event-log", f"/events/{name}.jsonl", *sharding, *extra],
+                         mounts=[(self.volumes[shard].name, "/state", "rw")], loopback_ports=["7000/tcp"])
 
-    def start_learner(self, learner_id: str, *, synchronizer: str = "synchronizer:7000") -> DockerContainer:
+    def start_synchronizers(self, *extra: str) -> list[DockerContainer]:
+        """Start every synchronizer shard, shard 0 first."""
+        return [self.start_synchronizer(*extra, shard=s) for s in range(self.shards)]
+
+    def start_learner(self, learner_id: str, *, synchronizer: str | None = None) -> DockerContainer:
+        """A learner dialling ``synchronizer`` (default: every shard of this fleet's)."""
+        synchronizer = self.synchronizer_address if synchronizer is None else synchronizer
         run = self._learner_runs.get(learner_id, 0)
         self._learner_runs[learner_id] = run + 1
         # a restarted container of the same id logs into a file of its own; logs are joined by id
@@ -151,16 +202,26 @@ class Fleet:
     def reconnect(self, name: str) -> None:
         self.network.connect(self.containers[name].get_container_id(), network_aliases=[name])
 
-    def status_port(self) -> int:
-        """The synchronizer's published port, read afresh: a restart may publish another."""
-        c = self.sdk("synchronizer")
+    def status_port(self, shard: int | None = None) -> int | None:
+        """A synchronizer shard's published port, read afresh: a restart may publish another
+        (None while its container is not running, and so publishes none)."""
+        c = self.sdk(self.synchronizer_name(shard))
         c.reload()
-        return int(c.attrs["NetworkSettings"]["Ports"]["7000/tcp"][0]["HostPort"])
+        bindings = (c.attrs["NetworkSettings"].get("Ports") or {}).get("7000/tcp")
+        return int(bindings[0]["HostPort"]) if bindings else None
 
-    def status(self) -> dict[str, Any] | None:
-        """``ddiloco status --json`` against the published port (None while it does not answer)."""
+    def status(self, shard: int | None = None) -> dict[str, Any] | None:
+        """``ddiloco status --json`` against the published port(s); None while it does not answer.
+
+        Unsharded, or with ``shard`` given: that synchronizer's own status (``fragments``,
+        ``learners``, ...). Sharded with no ``shard``: the fleet view of every shard (``shards``,
+        ``fleet``, ``problems``), None unless every shard answered and they agree (exit 0)."""
+        shards = [shard] if shard is not None or self.shards == 1 else list(range(self.shards))
+        ports = [self.status_port(s) for s in shards]
+        if None in ports:
+            return None
         proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "status", "--synchronizer",
-                               f"127.0.0.1:{self.status_port()}", "--json", "--timeout", "5"],
+                               ",".join(f"127.0.0.1:{port}" for port in ports), "--json", "--timeout", "5"],
                               capture_output=True, text=True, timeout=60)
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
@@ -176,13 +237,18 @@ class Fleet:
                 c.stop()
         with contextlib.suppress(Exception):
             self.network.remove()
-        with contextlib.suppress(Exception):
-            self.volume.remove(force=True)
+        for volume in self.volumes:
+            with contextlib.suppress(Exception):
+                volume.remove(force=True)
 
     # -- what the event logs say ---------------------------------------------------------------
 
-    def merges(self) -> list[dict[str, Any]]:
-        return load_run_dir(self.events).merges
+    def merges(self, shard: int | None = None) -> list[dict[str, Any]]:
+        """The merge log: every shard's, sorted by time; with ``shard``, only that shard's own."""
+        if shard is None:
+            return load_run_dir(self.events).merges
+        return [e for e in load_jsonl(self.synchronizer_log(shard), missing_ok=True)
+                if e.get("event") in MERGE_LOG_EVENTS]
 
     def merges_with(self, learner_id: str, after: float) -> int:
         return sum(1 for m in self.merges() if m.get("event") == "merge" and m["t"] > after
