@@ -66,6 +66,11 @@ MODEL_FINGERPRINT = "bench-memory"
 # -- /proc ------------------------------------------------------------------------------------
 
 
+STATUS_TIMEOUT_S = 60.0
+"""Longest wait for the synchronizer's status: busy merging a large model on a loaded machine it
+answered after more than gRPC's 5 s (the run failed on DEADLINE_EXCEEDED at 85M parameters)."""
+
+
 def read_memory(pid: int) -> dict[str, int]:
     """Bytes of ``STATUS_FIELDS`` from /proc/PID/status (fields the kernel lacks are left out; an
     RssAnon missing there is taken from /proc/PID/smaps_rollup's Anonymous)."""
@@ -301,7 +306,7 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
         t0 = time.perf_counter()
         await first.upload_genesis()
         deadline = time.monotonic() + timeout_s
-        while (await get_status(target)).state != "ready":
+        while (await get_status(target, timeout_s=STATUS_TIMEOUT_S)).state != "ready":
             check(first)()
             if time.monotonic() > deadline:
                 raise RuntimeError("genesis was not committed in time")
@@ -369,7 +374,7 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
 
         deadline = time.monotonic() + timeout_s
         while True:
-            status = await get_status(target)
+            status = await get_status(target, timeout_s=STATUS_TIMEOUT_S)
             if not any(f.pending for f in status.fragments):
                 break
             alive()
@@ -382,7 +387,7 @@ async def drive(args: argparse.Namespace, target: str, layout: FragmentLayout, p
             samples.append(sampler.take())
             await asyncio.sleep(0.1)
         phases["steady"] = {k: int(statistics.median(s.get(k, 0) for s in samples)) for k in samples[-1]}
-        status = await get_status(target)
+        status = await get_status(target, timeout_s=STATUS_TIMEOUT_S)
     finally:
         for learner in learners:
             await learner.close()
