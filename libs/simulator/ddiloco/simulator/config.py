@@ -155,10 +155,6 @@ class SimConfig:
         """Failures per second of one synchronizer process (one shard)."""
         return 0.0 if math.isinf(self.sync_mtbf_hours) else 1.0 / (self.sync_mtbf_hours * 3600.0)
 
-    def shard_of(self, fragment: int) -> int:
-        """The shard that owns ``fragment``: ``fragment % shards``, as the service assigns it."""
-        return fragment % self.shards
-
     def policy(self) -> policies.QuorumPolicy:
         """The synchronizer's merge policy, exactly as the service would build it."""
         return policies.QuorumPolicy(quorum=self.quorum, grace_gamma=self.gamma, max_grace_s=self.max_grace_s)

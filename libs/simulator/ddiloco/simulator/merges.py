@@ -47,7 +47,7 @@ from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.round import RoundRules, RoundState, Waiting
 from ddiloco.core.averages import RunningAverage
 from ddiloco.simulator.config import SimConfig
-from ddiloco.simulator.shards import SyncOutages
+from ddiloco.simulator.shards import SyncOutages, owned, owner
 from ddiloco.simulator.spmd import JobResult
 
 _REQUEST, _ANSWER, _DOWN, _UP, _SHARD_DOWN = 0, 1, 2, 3, 4
@@ -196,14 +196,15 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult], outages: SyncOutages 
 
     req_t, req_p, req_r = _requests(cfg, jobs, start, horizon)
     n_shards = cfg.shards
-    shard_of = [cfg.shard_of(p) for p in range(frags)]
+    shard_of = [owner(p, n_shards) for p in range(frags)]
+    shard_arr = np.asarray(shard_of, dtype=np.int64)
     if outages is None:
         outages = SyncOutages.none(n_shards, horizon)
     if outages.shards != n_shards:
         raise ValueError(f"outages are given for {outages.shards} shards, the config has {n_shards}")
     failing = outages.failures > 0
     if failing:
-        up = ~outages.down_mask(req_p % n_shards, req_t)  # a shard that is down requests nothing
+        up = ~outages.down_mask(shard_arr[req_p], req_t)  # a shard that is down requests nothing
         req_t, req_p, req_r = req_t[up], req_p[up], req_r[up]
     cols_t, cols_k, cols_m, cols_p, cols_s = [req_t], [np.full(req_t.size, _REQUEST)], [np.zeros(req_t.size, np.int64)], \
         [req_p], [req_r]
@@ -212,7 +213,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult], outages: SyncOutages 
     for m, job in enumerate(jobs):
         ok, at, step = _answers(job, req_t)
         if failing:
-            ok &= ~outages.down_mask(req_p % n_shards, at)  # nobody receives an answer to a shard that is down
+            ok &= ~outages.down_mask(shard_arr[req_p], at)  # nobody receives an answer to a shard that is down
         n_a, n_p = int(ok.sum()), len(job.pauses)
         cols_t += [at[ok], job.pauses[:, 0], job.pauses[:, 1]]
         cols_k += [np.full(n_a, _ANSWER), np.full(n_p, _DOWN), np.full(n_p, _UP)]
@@ -339,7 +340,7 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult], outages: SyncOutages 
             live.add(names[m])
             live_view = frozenset(live)
         else:  # shard m failed: what it held in memory is gone, its pending wake-ups with it
-            for q in range(m, frags, n_shards):
+            for q in owned(frags, m, n_shards):
                 stats.dropped += len(inbox[q])
                 inbox[q].clear()
                 rounds[q] = RoundState()
