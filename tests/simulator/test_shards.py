@@ -16,8 +16,9 @@ import math
 import numpy as np
 import pytest
 
-from ddiloco.simulator import SimConfig, sample_trace, simulate, simulate_decoupled
+from ddiloco.simulator import SimConfig, run_job, sample_trace, simulate, simulate_decoupled
 from ddiloco.simulator.cli import main
+from ddiloco.simulator.merges import simulate_merges
 from ddiloco.simulator.shards import SyncOutages, owned, sample_outages
 
 QUIET = dict(chips=1_200_000, learners=4, mtbi_years=math.inf, hours=1.0, merge_hours=0.0)
@@ -65,9 +66,6 @@ def test_a_shard_down_stalls_only_its_own_fragments(shards: int, down_shard: int
     calm = simulate_decoupled(cfg, trace, SyncOutages.none(shards, cfg.horizon_s))
     hit = simulate_decoupled(cfg, trace, outages)
     # simulate_decoupled does not return per-fragment merge times: replay the merge level directly.
-    from ddiloco.simulator.merges import simulate_merges
-    from ddiloco.simulator.spmd import run_job
-
     jobs = [run_job(sub.times, sub.return_s, chips=c, horizon_s=cfg.horizon_s, mode="elastic",
                     pause_s=cfg.reconfig_s, step_s=cfg.step_s) for c, sub in trace.split(cfg.learners)]
     stats = simulate_merges(cfg, jobs, outages)
