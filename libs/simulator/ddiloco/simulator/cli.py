@@ -55,6 +55,13 @@ def _mtbi(text: str) -> float:
     return value
 
 
+def _sync_mtbf(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("sync-mtbf-hours must be > 0 (inf: the synchronizer never fails)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddiloco simulate",
@@ -79,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-every", type=int, default=_D.sync_every, help="H")
     p.add_argument("--overlap", type=int, default=_D.overlap, help="tau")
     p.add_argument("--learner-recovery", choices=LEARNER_RECOVERIES, default=_D.learner_recovery)
+    p.add_argument("--shards", type=_counts, default=[_D.shards],
+                   help="S: synchronizer shards, shard s owning fragments p %% S == s (list ok: one decoupled "
+                        "run per S)")
+    p.add_argument("--sync-mtbf-hours", type=_sync_mtbf, default=_D.sync_mtbf_hours,
+                   help="mean time between failures of one synchronizer process (per shard); inf: never fails")
+    p.add_argument("--sync-restart-s", type=float, default=_D.sync_restart_s,
+                   help="time a failed synchronizer process (shard) is down")
     p.add_argument("--hours", type=float, default=_D.hours, help="simulated duration")
     p.add_argument("--merge-hours", type=float, default=_D.merge_hours,
                    help="replay the merge level (policy calls) over the last this-many hours (0: all)")
@@ -92,14 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args: argparse.Namespace, chips: int, learners: int) -> SimConfig:
+def _config(args: argparse.Namespace, chips: int, learners: int, shards: int = 1) -> SimConfig:
     return SimConfig(
         chips=chips, learners=learners, mtbi_years=args.mtbi_years, repair_s=args.repair_s,
         repair_dist=args.repair_dist, restart_s=args.restart_s, reconfig_s=args.reconfig_s,
         checkpoint_s=args.checkpoint_s, step_s=args.step_s, speed_cv=args.speed_cv, sync_s=args.sync_s,
         quorum=args.quorum, gamma=args.gamma, max_grace_s=args.max_grace_s, fragments=args.fragments,
         sync_every=args.sync_every, overlap=args.overlap, learner_recovery=args.learner_recovery,
-        hours=args.hours, merge_hours=args.merge_hours, seed=args.seed)
+        hours=args.hours, merge_hours=args.merge_hours, seed=args.seed, shards=shards,
+        sync_mtbf_hours=args.sync_mtbf_hours, sync_restart_s=args.sync_restart_s)
 
 
 def _run(job: tuple[SimConfig, tuple[str, ...], tuple[int, ...] | None]) -> list[StrategyResult]:
@@ -131,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         base = {n: _config(args, n, max(learner_list)) for n in sizes}
         for m in learner_list:
             _config(args, min(sizes), m).with_(quorum=min(args.quorum, m))
+        for shards in args.shards:
+            _config(args, min(sizes), max(learner_list), shards)
         if set(strategies) - {"dp", "elastic", "decoupled"}:
             raise ValueError(f"unknown strategies in {args.strategies!r}")
     except ValueError as exc:
@@ -143,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if sync:
             jobs.append((base[n], sync, None))
         if "decoupled" in strategies:
-            jobs += [(base[n], ("decoupled",), (m,)) for m in learner_list]
+            jobs += [(base[n] if s == 1 else base[n].with_(shards=s), ("decoupled",), (m,))
+                     for m in learner_list for s in args.shards]
     started = time.perf_counter()
     results = run_jobs(jobs, args.workers)
     wall = time.perf_counter() - started
@@ -154,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
           f"step {cfg.step_s:g} s, restart {cfg.restart_s:g} s, reconfig {cfg.reconfig_s:g} s, "
           f"K={cfg.quorum}, gamma={cfg.gamma:g}, P={cfg.fragments}, H={cfg.sync_every}, tau={cfg.overlap}, "
           f"seed {cfg.seed}")
+    if args.shards != [1] or math.isfinite(cfg.sync_mtbf_hours):
+        mtbf = (f"a failure every {cfg.sync_mtbf_hours:g} h per shard, down {cfg.sync_restart_s:g} s each"
+                if math.isfinite(cfg.sync_mtbf_hours) else "never fails")
+        print(f"  synchronizer: S={','.join(map(str, args.shards))} shard(s), {mtbf}")
     for n in sizes:
         mtbi = base[n].fleet_mtbi_s
         print(f"  {fmt_chips(n)} chips: a failure every {mtbi:.1f} s" if math.isfinite(mtbi)
@@ -169,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         write_json(args.json, {
-            "config": asdict(cfg) | {"chips": sizes, "learners": learner_list, "strategies": list(strategies)},
+            "config": asdict(cfg) | {"chips": sizes, "learners": learner_list, "shards": args.shards,
+                                     "strategies": list(strategies)},
             "results": [r.as_dict() for r in results],
             "paper": {"source": PAPER, "goodput_percent": {str(k): v for k, v in PAPER_GOODPUT.items()}},
             "comparison": cells,

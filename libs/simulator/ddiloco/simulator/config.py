@@ -67,6 +67,19 @@ class SimConfig:
     """H: inner steps between two syncs of the same fragment."""
     overlap: int = 2
     """tau: steps between sending a fragment and applying its merged version."""
+    shards: int = 1
+    """S: synchronizer shards. Shard s owns the fragments p with p % S == s (the service's ownership
+    rule); each shard is a process of its own, so it fails and restarts on its own, and while it is
+    down only its fragments stop merging."""
+    sync_mtbf_hours: float = math.inf
+    """Mean time between failures of one synchronizer process (one shard), in hours: failures arrive
+    as a Poisson process per shard, at this rate whatever S is. ``inf`` (the default): the
+    synchronizer never fails."""
+    sync_restart_s: float = 120.0
+    """Time a failed synchronizer process is down: detect, reschedule, load the newest committed
+    version of each of its fragments, let the learners reconnect. Its in-memory inboxes and round
+    state are lost; the learners' progress is not (each answer carries everything since the last
+    merge the learner applied)."""
     learner_recovery: str = "elastic"
     """What a decoupled learner does when one of its chips fails: ``elastic`` (pause ``reconfig_s`` and
     continue without the slice; the paper's "shrinks or pauses that learner") or ``restart`` (like a
@@ -88,7 +101,7 @@ class SimConfig:
             raise ValueError(f"learners must be in 1..chips, got {self.learners}")
         if not self.mtbi_years > 0:
             raise ValueError(f"mtbi_years must be > 0 (inf: no failures), got {self.mtbi_years}")
-        for name in ("repair_s", "restart_s", "reconfig_s", "checkpoint_s", "speed_cv", "sync_s"):
+        for name in ("repair_s", "restart_s", "reconfig_s", "checkpoint_s", "speed_cv", "sync_s", "sync_restart_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -103,11 +116,17 @@ class SimConfig:
             raise ValueError(f"hours must be > 0, got {self.hours}")
         if not (self.merge_hours >= 0 and math.isfinite(self.merge_hours)):
             raise ValueError(f"merge_hours must be >= 0, got {self.merge_hours}")
+        if not self.sync_mtbf_hours > 0:
+            raise ValueError(f"sync_mtbf_hours must be > 0 (inf: the synchronizer never fails), "
+                             f"got {self.sync_mtbf_hours}")
         if self.quorum > self.learners:
             raise ValueError(f"quorum K={self.quorum} cannot exceed learners M={self.learners}")
         # The synchronizer's and the learners' own validation: same rules as the service.
         self.policy()
         self.schedule()
+        if not 1 <= self.shards <= self.fragments:
+            raise ValueError(f"shards must be in 1..fragments (P={self.fragments}): a shard owns at least one "
+                             f"fragment, got shards={self.shards}")
 
     @property
     def horizon_s(self) -> float:
@@ -130,6 +149,11 @@ class SimConfig:
         """Mean time between failures anywhere in the fleet."""
         rate = self.chip_failure_rate * self.chips
         return math.inf if rate == 0 else 1.0 / rate
+
+    @property
+    def sync_failure_rate(self) -> float:
+        """Failures per second of one synchronizer process (one shard)."""
+        return 0.0 if math.isinf(self.sync_mtbf_hours) else 1.0 / (self.sync_mtbf_hours * 3600.0)
 
     def policy(self) -> policies.QuorumPolicy:
         """The synchronizer's merge policy, exactly as the service would build it."""

@@ -23,6 +23,13 @@ that fragment between its apply step and the merge's arrival is overwritten on a
 paper's ``overwrite`` policy): ``1/P`` of the learner's chip-time over that window is lost. A
 learner that is down is not asked and is not live, so the round does not wait for it; an answer
 that arrives after its round merged waits for the fragment's next round.
+
+A sharded synchronizer (``cfg.shards`` = S) runs fragment p's rounds on shard ``p % S``, each
+shard with its own running averages. A shard that is down (``shards.SyncOutages``) requests
+nothing and receives nothing; when it fails, its fragments' inboxes, round state, pending
+wake-ups and averages are lost (the contributions they held are counted as dropped; their
+progress is carried by the learners' next answers, so nothing is charged for them). The other
+shards' rounds go on as if nothing happened.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import heapq
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 
@@ -39,9 +47,10 @@ from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.round import RoundRules, RoundState, Waiting
 from ddiloco.core.averages import RunningAverage
 from ddiloco.simulator.config import SimConfig
+from ddiloco.simulator.shards import SyncOutages, owned, owner
 from ddiloco.simulator.spmd import JobResult
 
-_REQUEST, _ANSWER, _DOWN, _UP = 0, 1, 2, 3
+_REQUEST, _ANSWER, _DOWN, _UP, _SHARD_DOWN = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -60,6 +69,18 @@ class MergeStats:
     window_s: float = 0.0
     """Length of the replayed window (the end of the horizon)."""
     reasons: Counter = field(default_factory=Counter)
+    dropped: int = 0
+    """Contributions waiting in a shard's inbox when the shard failed (their progress is carried)."""
+    merge_times: list[list[float]] = field(default_factory=list)
+    """Per fragment: when each of its merges was decided, in order."""
+
+    def max_fragment_gap_s(self, start: float, end: float) -> float:
+        """The longest time any one fragment went without a merge in [start, end)."""
+        gap = 0.0
+        for ts in self.merge_times:
+            edges = [start, *ts, end]
+            gap = max(gap, max(b - a for a, b in pairwise(edges)))
+        return gap
 
     def as_dict(self) -> dict:
         n = max(1, self.merges)
@@ -157,8 +178,9 @@ class _Uptime:
         return max(0.0, (b - a) - (self._paused(b) - self._paused(a)))
 
 
-def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
-    """Replay every fragment round of a decoupled run with M = len(jobs) learners over the merge window."""
+def simulate_merges(cfg: SimConfig, jobs: list[JobResult], outages: SyncOutages | None = None) -> MergeStats:
+    """Replay every fragment round of a decoupled run with M = len(jobs) learners over the merge window,
+    with the synchronizer's shards down during ``outages`` (default: never)."""
     schedule = cfg.schedule()
     policy = cfg.policy()
     tau, frags, horizon = schedule.overlap, schedule.num_fragments, cfg.horizon_s
@@ -173,12 +195,25 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     uptime = [_Uptime(job) for job in jobs]
 
     req_t, req_p, req_r = _requests(cfg, jobs, start, horizon)
+    n_shards = cfg.shards
+    shard_of = [owner(p, n_shards) for p in range(frags)]
+    shard_arr = np.asarray(shard_of, dtype=np.int64)
+    if outages is None:
+        outages = SyncOutages.none(n_shards, horizon)
+    if outages.shards != n_shards:
+        raise ValueError(f"outages are given for {outages.shards} shards, the config has {n_shards}")
+    failing = outages.failures > 0
+    if failing:
+        up = ~outages.down_mask(shard_arr[req_p], req_t)  # a shard that is down requests nothing
+        req_t, req_p, req_r = req_t[up], req_p[up], req_r[up]
     cols_t, cols_k, cols_m, cols_p, cols_s = [req_t], [np.full(req_t.size, _REQUEST)], [np.zeros(req_t.size, np.int64)], \
         [req_p], [req_r]
     cols_r = [req_r]
     """The round each event belongs to: a request's own, an answer's request's."""
     for m, job in enumerate(jobs):
         ok, at, step = _answers(job, req_t)
+        if failing:
+            ok &= ~outages.down_mask(shard_arr[req_p], at)  # nobody receives an answer to a shard that is down
         n_a, n_p = int(ok.sum()), len(job.pauses)
         cols_t += [at[ok], job.pauses[:, 0], job.pauses[:, 1]]
         cols_k += [np.full(n_a, _ANSWER), np.full(n_p, _DOWN), np.full(n_p, _UP)]
@@ -186,19 +221,29 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
         cols_p += [req_p[ok], np.zeros(2 * n_p, dtype=np.int64)]
         cols_s += [step[ok], np.zeros(2 * n_p, dtype=np.int64)]
         cols_r += [req_r[ok], np.zeros(2 * n_p, dtype=np.int64)]
+    if failing:
+        for s, iv in enumerate(outages.down):
+            cols_t.append(iv[:, 0])
+            cols_k.append(np.full(len(iv), _SHARD_DOWN))
+            cols_m.append(np.full(len(iv), s, dtype=np.int64))
+            cols_p.append(np.zeros(len(iv), dtype=np.int64))
+            cols_s.append(np.zeros(len(iv), dtype=np.int64))
+            cols_r.append(np.zeros(len(iv), dtype=np.int64))
     ev_t, ev_k = np.concatenate(cols_t), np.concatenate(cols_k)
     ev_m, ev_p, ev_s = np.concatenate(cols_m), np.concatenate(cols_p), np.concatenate(cols_s)
     ev_r = np.concatenate(cols_r)
     keep = (ev_t >= start) & (ev_t < horizon)
-    order = np.lexsort((ev_k[keep], ev_t[keep]))  # by time; at a tie: requests, answers, drop-outs, returns
+    order = np.lexsort((ev_k[keep], ev_t[keep]))  # by time; at a tie: requests, answers, drop-outs, returns, shard failures
     events = zip(ev_t[keep][order].tolist(), ev_k[keep][order].tolist(), ev_m[keep][order].tolist(),
                  ev_p[keep][order].tolist(), ev_s[keep][order].tolist(), ev_r[keep][order].tolist(), strict=True)
 
-    stats = MergeStats(window_s=horizon - start)
-    step_avg = RunningAverage(initial=float(np.mean(step_of)))
-    quorum_avg = RunningAverage()
-    sync_avg = RunningAverage()
-    timings = policies.Timings(step_time_s=step_avg.get(), quorum_time_s=0.0, sync_time_s=0.0)
+    stats = MergeStats(window_s=horizon - start, merge_times=[[] for _ in range(frags)])
+    # Each shard keeps its own running averages (one set when S = 1: the one synchronizer's).
+    step_avg = [RunningAverage(initial=float(np.mean(step_of))) for _ in range(n_shards)]
+    quorum_avg = [RunningAverage() for _ in range(n_shards)]
+    sync_avg = [RunningAverage() for _ in range(n_shards)]
+    timings = [policies.Timings(step_time_s=step_avg[s].get(), quorum_time_s=0.0, sync_time_s=0.0)
+               for s in range(n_shards)]
     rules = RoundRules(policy=policy, overlap=tau)
     rounds = [RoundState() for _ in range(frags)]
     inbox: list[dict[str, tuple[float, int, int, int]]] = [{} for _ in range(frags)]
@@ -213,21 +258,21 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
     wake_seq = 0
     last_merge_at = start
 
-    def refresh_timings() -> None:
-        nonlocal timings
-        now_t = (step_avg.get(), quorum_avg.get(), sync_avg.get())
-        if now_t != (timings.step_time_s, timings.quorum_time_s, timings.sync_time_s):
-            timings = policies.Timings(*now_t)
+    def refresh_timings(s: int) -> None:
+        now_t = (step_avg[s].get(), quorum_avg[s].get(), sync_avg[s].get())
+        t = timings[s]
+        if now_t != (t.step_time_s, t.quorum_time_s, t.sync_time_s):
+            timings[s] = policies.Timings(*now_t)
 
     def evaluate(p: int, now: float) -> None:
         nonlocal wake_seq, last_merge_at
-        box, state = inbox[p], rounds[p]
+        box, state, s = inbox[p], rounds[p], shard_of[p]
         latched = state.quorum_at
         waiting = [Waiting(name, 0, sent_at, round_no) for name, (sent_at, _, _, round_no) in box.items()]
-        decision = state.decide(now, waiting, 0, live_view, timings, rules)
+        decision = state.decide(now, waiting, 0, live_view, timings[s], rules)
         if latched is None and state.quorum_at is not None:
-            quorum_avg.update(state.quorum_time_s)
-            refresh_timings()
+            quorum_avg[s].update(state.quorum_time_s)
+            refresh_timings(s)
         stats.decide_calls += 1
         if not decision.merge:
             if decision.wake_at is not None:
@@ -248,10 +293,11 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
             steps.append(done)
             step_sum += step_of[m]
         weights = policies.token_weights(tokens, steps)
-        step_avg.update(step_sum / len(box))
-        sync_avg.update(sync_s)
-        refresh_timings()
+        step_avg[s].update(step_sum / len(box))
+        sync_avg[s].update(sync_s)
+        refresh_timings(s)
         stats.merges += 1
+        stats.merge_times[p].append(now)
         stats.contributors_sum += len(box)
         stats.effective_sum += 1.0 / sum(w * w for w in weights)
         stats.grace_sum += decision.grace_s
@@ -290,9 +336,18 @@ def simulate_merges(cfg: SimConfig, jobs: list[JobResult]) -> MergeStats:
             for q in range(frags):  # a drop-out can complete "every live learner contributed"
                 if inbox[q]:
                     evaluate(q, t)
-        else:
+        elif kind == _UP:
             live.add(names[m])
             live_view = frozenset(live)
+        else:  # shard m failed: what it held in memory is gone, its pending wake-ups with it
+            for q in owned(frags, m, n_shards):
+                stats.dropped += len(inbox[q])
+                inbox[q].clear()
+                rounds[q] = RoundState()
+                round_id[q] += 1
+            step_avg[m] = RunningAverage(initial=float(np.mean(step_of)))
+            quorum_avg[m], sync_avg[m] = RunningAverage(), RunningAverage()
+            timings[m] = policies.Timings(step_time_s=step_avg[m].get(), quorum_time_s=0.0, sync_time_s=0.0)
     wake_until(horizon)
     stats.max_merge_gap_s = max(stats.max_merge_gap_s, horizon - last_merge_at)
     for prefix, count in reasons.items():

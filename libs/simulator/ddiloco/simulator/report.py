@@ -47,18 +47,39 @@ def _grid(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
+def _sync_modelled(results: Sequence[StrategyResult]) -> bool:
+    """Whether any run has a sharded or failing synchronizer (only then does the table show it)."""
+    return any(r.details.get("shards", 1) > 1 or math.isfinite(r.details.get("sync_mtbf_hours", math.inf))
+               for r in results)
+
+
 def results_table(results: Sequence[StrategyResult]) -> str:
-    """One row per (fleet size, strategy): goodput, uptime, interruptions, merges and the losses."""
+    """One row per (fleet size, strategy): goodput, uptime, interruptions, merges and the losses; with a
+    sharded or failing synchronizer also S, its failures, the share of fragment-time whose shard was
+    down, the share of fragments one failure stalled (measured on the merge replay), the time no
+    fragment could merge, and the longest any fragment went without a merge."""
     headers = ["chips", "strategy", "goodput %", "uptime %", "failures", "interruptions", "merges/h",
                "paused %", "rollback %", "unavail %", "straggle %", "late %"]
+    sync = _sync_modelled(results)
+    if sync:
+        headers += ["S", "sync fails", "stalled %", "per fail %", "no merge s", "frag gap s"]
     rows = []
     for r in results:
         per_hour = r.details.get("merges_per_hour")
-        rows.append([fmt_chips(r.chips), r.label, _pct(100 * r.goodput), _pct(100 * r.uptime, 2),
-                     str(r.failures), str(r.interruptions), "—" if per_hour is None else f"{per_hour:.0f}",
-                     _pct(100 * r.lost["paused"], 2), _pct(100 * r.lost["rollback"], 2),
-                     _pct(100 * r.lost["unavailable"], 2), _pct(100 * r.lost["stragglers"], 2),
-                     _pct(100 * r.lost["late_merges"], 2)])
+        row = [fmt_chips(r.chips), r.label, _pct(100 * r.goodput), _pct(100 * r.uptime, 2),
+               str(r.failures), str(r.interruptions), "—" if per_hour is None else f"{per_hour:.0f}",
+               _pct(100 * r.lost["paused"], 2), _pct(100 * r.lost["rollback"], 2),
+               _pct(100 * r.lost["unavailable"], 2), _pct(100 * r.lost["stragglers"], 2),
+               _pct(100 * r.lost["late_merges"], 2)]
+        if sync:
+            d = r.details
+            if "shards" in d:
+                row += [str(d["shards"]), str(d["sync_failures"]), _pct(100 * d["stalled_fragment_share"], 2),
+                        _pct(100 * d["stalled_share_per_failure"], 0), f"{d['merge_downtime_s']:.0f}",
+                        f"{d['max_fragment_gap_s']:.0f}"]
+            else:
+                row += ["—"] * 6
+        rows.append(row)
     return _grid(headers, rows)
 
 

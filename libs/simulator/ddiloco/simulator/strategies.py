@@ -10,7 +10,10 @@ progress that the final model keeps. Everything else is charged to a named loss:
 - ``decoupled`` (Decoupled DiLoCo, M learners): M independent jobs over N/M chips each. A failure
   pauses (``elastic``) or restarts (``restart``) only its own learner; the others keep training.
   On top, the merge level (``merges.simulate_merges``) charges whatever the quorum/grace policy
-  makes learners overwrite, and reports merges, global downtime and merge gaps.
+  makes learners overwrite, and reports merges, global downtime and merge gaps. The synchronizer
+  may be split into ``shards`` that fail and restart independently (``shards.sample_outages``):
+  a shard's outage stalls its own fragments' merges and nobody's training, and the report says how
+  much of the model went unmerged, for how long, and how much of it one failure stalls.
 
 Uptime is the share of wall-clock time in which the global model is making progress: the job
 runs (dp, elastic), or at least one learner runs (decoupled).
@@ -20,10 +23,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 from ddiloco.simulator.config import SimConfig
 from ddiloco.simulator.merges import simulate_merges
+from ddiloco.simulator.shards import SyncOutages, overlap_all, sample_outages, stalled_share_per_failure
 from ddiloco.simulator.spmd import JobResult, run_job, slowest_chip_factor
 from ddiloco.simulator.trace import FailureTrace, sample_trace, trace_rng
 
@@ -47,7 +49,10 @@ class StrategyResult:
 
     @property
     def label(self) -> str:
-        return self.strategy if self.strategy != "decoupled" else f"decoupled M={self.learners}"
+        if self.strategy != "decoupled":
+            return self.strategy
+        shards = self.details.get("shards", 1)
+        return f"decoupled M={self.learners}" + (f" S={shards}" if shards > 1 else "")
 
     def as_dict(self) -> dict:
         return asdict(self) | {"label": self.label}
@@ -77,7 +82,9 @@ def simulate_elastic(cfg: SimConfig, trace: FailureTrace) -> StrategyResult:
     return _job_result("elastic", 1, job)
 
 
-def simulate_decoupled(cfg: SimConfig, trace: FailureTrace) -> StrategyResult:
+def simulate_decoupled(cfg: SimConfig, trace: FailureTrace, outages: SyncOutages | None = None) -> StrategyResult:
+    """M learners on ``trace``; the synchronizer's shards down during ``outages`` (default: sampled
+    from ``cfg``, none unless ``sync_mtbf_hours`` is finite)."""
     m_count = cfg.learners
     restart = cfg.learner_recovery == "restart"
     speed_rng = trace_rng(cfg, 1 + m_count)
@@ -88,7 +95,9 @@ def simulate_decoupled(cfg: SimConfig, trace: FailureTrace) -> StrategyResult:
                             mode="restart" if restart else "elastic",
                             pause_s=cfg.restart_s if restart else cfg.reconfig_s, step_s=cfg.step_s,
                             checkpoint_s=cfg.checkpoint_s, slow_factor=slow))
-    stats = simulate_merges(cfg, jobs)
+    if outages is None:
+        outages = sample_outages(cfg)
+    stats = simulate_merges(cfg, jobs, outages)
     alloc = cfg.chips * cfg.horizon_s
     late = stats.late_chip_s * (cfg.horizon_s / stats.window_s)  # the window's loss rate, whole horizon
     useful = sum(job.useful_chip_s for job in jobs) - late
@@ -97,11 +106,22 @@ def simulate_decoupled(cfg: SimConfig, trace: FailureTrace) -> StrategyResult:
     lost["late_merges"] = late / alloc
     learner_uptime = [1.0 - job.paused_s / job.horizon_s for job in jobs]
     global_down = all_paused_s(jobs)
+    horizon, start = cfg.horizon_s, cfg.horizon_s - stats.window_s
+    frags = cfg.fragments
+    if outages.failures:
+        # Merges happen only on fragments whose shard is up: scale by up fragment-time, not by time.
+        up_window = frags * stats.window_s - outages.stalled_fragment_s(frags, start, horizon)
+        up_horizon = frags * horizon - outages.stalled_fragment_s(frags)
+        merges = round(stats.merges * up_horizon / up_window) if up_window > 0 else 0
+    else:
+        merges = round(stats.merges * cfg.horizon_s / stats.window_s)
+    per_failure, measured = stalled_share_per_failure(outages, stats.merge_times, start, horizon)
+    merge_down = outages.all_down_s()
     return StrategyResult(
         strategy="decoupled", chips=cfg.chips, learners=m_count, goodput=max(0.0, useful / alloc),
         uptime=1.0 - global_down / cfg.horizon_s, failures=len(trace),
         interruptions=sum(job.interruptions for job in jobs), lost=lost,
-        merges=round(stats.merges * cfg.horizon_s / stats.window_s),
+        merges=merges,
         details=stats.as_dict() | {
             "global_downtime_s": global_down,
             "learner_recovery": cfg.learner_recovery,
@@ -110,20 +130,25 @@ def simulate_decoupled(cfg: SimConfig, trace: FailureTrace) -> StrategyResult:
             "chips_per_learner": [job.chips for job in jobs],
             "step_s": [job.step_s for job in jobs],
             "quorum": cfg.quorum,
+            "shards": cfg.shards,
+            "sync_mtbf_hours": cfg.sync_mtbf_hours,
+            "sync_restart_s": cfg.sync_restart_s,
+            "sync_failures": outages.failures,
+            "sync_downtime_s": sum(outages.down_s(s) for s in range(cfg.shards)),
+            "stalled_fragment_share": outages.stalled_fragment_s(frags) / (frags * horizon),
+            "merge_downtime_s": merge_down,
+            "merge_uptime": 1.0 - merge_down / horizon,
+            "stalled_share_per_failure": per_failure,
+            "failures_measured_in_window": measured,
+            "max_fragment_gap_s": stats.max_fragment_gap_s(start, horizon),
+            "dropped_contributions": stats.dropped,
         },
     )
 
 
 def all_paused_s(jobs: list[JobResult]) -> float:
     """Time during which every job is paused at once (for learners: global downtime)."""
-    if any(not len(job.pauses) for job in jobs):
-        return 0.0
-    pauses = np.concatenate([job.pauses for job in jobs])
-    times = np.concatenate([pauses[:, 0], pauses[:, 1]])
-    delta = np.concatenate([np.ones(len(pauses)), -np.ones(len(pauses))])
-    order = np.lexsort((delta, times))  # at a tie, an end before a start
-    times, paused = times[order], np.cumsum(delta[order])
-    return float(np.sum(np.diff(times)[paused[:-1] == len(jobs)]))
+    return overlap_all([job.pauses for job in jobs])
 
 
 def simulate(cfg: SimConfig, strategies: tuple[str, ...] = STRATEGIES,
