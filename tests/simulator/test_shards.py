@@ -16,10 +16,11 @@ import math
 import numpy as np
 import pytest
 
+from ddiloco.fragments.ownership import owned
 from ddiloco.simulator import SimConfig, run_job, sample_trace, simulate, simulate_decoupled
 from ddiloco.simulator.cli import main
 from ddiloco.simulator.merges import simulate_merges
-from ddiloco.simulator.shards import SyncOutages, owned, sample_outages
+from ddiloco.simulator.shards import SyncOutages, sample_outages
 
 QUIET = dict(chips=1_200_000, learners=4, mtbi_years=math.inf, hours=1.0, merge_hours=0.0)
 """No chip failures: every learner steps in phase, so every round's merges are predictable."""

@@ -1,7 +1,7 @@
 """Synchronizer shards: which fragments a shard owns, and how every side finds every shard.
 
 A synchronizer may be split into ``S`` shards; shard ``s`` owns fragment ``p`` when
-``p % S == s``. The assignment is computed from the fragment index alone, so the synchronizer, the
+``p % S == s`` (``ddiloco.fragments.ownership``). The assignment is computed from the fragment index alone, so the synchronizer, the
 learners, ``ddiloco status``, ``ddiloco eval`` and ``ddiloco export`` agree on it without
 exchanging anything. Round-robin rather than a balance by bytes: the partition already makes
 fragments of near-equal size (a fragment is a run of whole tensors cut at about numel / P), so
@@ -22,23 +22,16 @@ from __future__ import annotations
 import re
 import socket
 
+from ddiloco.fragments.ownership import owned, owner
 from ddiloco.protocol.client import check_target
+
+__all__ = ["MAX_SHARDS", "PATTERN", "owned", "owner", "parse_shard", "synchronizer_targets"]
 
 PATTERN = "{shard}"
 MAX_SHARDS = 1024
 """More shards than this is a typo, not a fleet (each is a process and a stream per learner)."""
 
 _ORDINAL = re.compile(r"-(\d+)$")
-
-
-def owner(fragment: int, shards: int) -> int:
-    """The shard that owns ``fragment`` among ``shards``."""
-    return fragment % shards
-
-
-def owned(num_fragments: int, shard: int, shards: int) -> list[int]:
-    """The fragments shard ``shard`` of ``shards`` owns, ascending."""
-    return [p for p in range(num_fragments) if owner(p, shards) == shard]
 
 
 def synchronizer_targets(spec: str, shards: int | None = None) -> list[str]:

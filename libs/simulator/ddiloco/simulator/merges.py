@@ -46,8 +46,9 @@ from ddiloco.algorithm import policies
 from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.round import RoundRules, RoundState, Waiting
 from ddiloco.core.averages import RunningAverage
+from ddiloco.fragments.ownership import owned, owner
 from ddiloco.simulator.config import SimConfig
-from ddiloco.simulator.shards import SyncOutages, owned, owner
+from ddiloco.simulator.shards import SyncOutages
 from ddiloco.simulator.spmd import JobResult
 
 _REQUEST, _ANSWER, _DOWN, _UP, _SHARD_DOWN = 0, 1, 2, 3, 4

@@ -25,20 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddiloco.fragments.ownership import owned
 from ddiloco.simulator.config import SimConfig
 
 _STREAM = 0x53594E43
 """Key of the synchronizer's failure streams, apart from the chip trace's (seed, chips, purpose)."""
-
-
-def owner(fragment: int, shards: int) -> int:
-    """The shard that owns ``fragment`` among ``shards`` (the service's rule: ``fragment % shards``)."""
-    return fragment % shards
-
-
-def owned(num_fragments: int, shard: int, shards: int) -> list[int]:
-    """The fragments ``shard`` owns, ascending."""
-    return [p for p in range(num_fragments) if owner(p, shards) == shard]
 
 
 def overlap_all(intervals: list[np.ndarray]) -> float:
