@@ -21,6 +21,7 @@ from torch import nn
 
 from ddiloco.lab.procs import free_port
 from ddiloco.learner.sync import DecoupledSync, SyncError
+from tests.learner.test_eval_cmd import _eval_in_process
 from tests.procs import synchronizer
 
 PROTOCOL = "protocol: {num_fragments: 4, sync_every: 4, mode: decoupled, global_codec: fp32}\n"
@@ -213,7 +214,6 @@ def test_one_shard_down_stalls_only_its_own_fragments(tmp_path):
 
 def test_eval_reads_the_live_model_from_every_shard(tmp_path, capsys):
     from ddiloco.learner.config import load_learner_config
-    from ddiloco.learner.eval_cmd import main as eval_main
     from ddiloco.training.data import eval_batches, load_corpus
     from ddiloco.training.inner_loop import evaluate
     from ddiloco.training.model import build_model
@@ -233,9 +233,9 @@ def test_eval_reads_the_live_model_from_every_shard(tmp_path, capsys):
         finally:
             sync.close()
         capsys.readouterr()
-        assert eval_main(["--synchronizer", f"{first},{second}", "--config", str(config), "--json"]) == 0
+        assert _eval_in_process("--synchronizer", f"{first},{second}", "--config", str(config), "--json") == 0
         live = json.loads(capsys.readouterr().out)["loss"]
-        assert eval_main(["--synchronizer", first, "--config", str(config)]) == 2
+        assert _eval_in_process("--synchronizer", first, "--config", str(config)) == 2
         assert "fragments [1] are missing" in capsys.readouterr().err
     corpus = load_corpus(cfg.data)
     local = evaluate(model, eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, 2), torch.device("cpu"))
