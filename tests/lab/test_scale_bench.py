@@ -69,11 +69,16 @@ def test_bad_options_are_refused_before_any_run_starts(tmp_path, capsys):
     work, out = tmp_path / "work", tmp_path / "scale.json"
     bad_cfg = tmp_path / "bad.yaml"
     bad_cfg.write_text("model: {d_model: 30, n_head: 4}\n")
+    tiny_cfg = tmp_path / "tiny.yaml"
+    tiny_cfg.write_text(TINY)
     cases = [(["--learners", "0"], "learner counts must be >= 1"),
              (["--learners", "1,x"], "comma-separated list"),
              (["--steps", "0"], "--steps >= 1"),
              (["--timeout", "0"], "--timeout > 0"),
              (["--mode", "dp"], "invalid choice"),
+             (["--shards", "0"], "shard counts must be >= 1"),
+             (["--shards", "2,y"], "comma-separated list of shard counts"),
+             (["--config", str(tiny_cfg), "--shards", "8"], "shards"),  # more shards than fragments
              (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
              (["--config", str(bad_cfg)], "d_model")]
     for args, message in cases:
@@ -82,6 +87,44 @@ def test_bad_options_are_refused_before_any_run_starts(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "ddiloco bench scale: error:" in err and message in err, (args, err)
         assert not work.exists() and not out.exists(), args  # no run, no results
+
+
+def test_sharded_points_report_each_shards_merges_cpu_and_bytes(tmp_path):
+    cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
+    cfg.write_text(TINY)
+    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
+                     "--learners", "2", "--shards", "2,1", "--steps", "24", "--workdir", str(work),
+                     "--out", str(out)], capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "per shard:" in proc.stdout  # the table has a row per shard
+    r = json.loads(out.read_text())
+    assert r["shards"] == [1, 2]
+    assert [(f["learners"], f["shards"]) for f in r["fleets"]] == [(2, 1), (2, 2)]
+    assert r["alone"]["bytes_per_s"] is None and "per_shard" not in r["alone"]
+    for f in r["fleets"]:
+        folder = work / ("learners-2" if f["shards"] == 1 else "learners-2-shards-2")
+        logs = ([folder / "synchronizer.jsonl"] if f["shards"] == 1
+                else [folder / f"synchronizer-{s}.jsonl" for s in range(2)])
+        assert [s["shard"] for s in f["per_shard"]] == list(range(f["shards"]))
+        assert sum(s["merges"] for s in f["per_shard"]) == f["merges"]
+        for s, log in zip(f["per_shard"], logs, strict=True):
+            merges = [e for e in load_jsonl(log) if e["event"] == "merge"]
+            assert len(merges) == s["merges"] > 1
+            # every shard merged only its own fragments: p mod S == s
+            assert {e["fragment"] % f["shards"] for e in merges} == {s["shard"]}
+            rx, tx = [e["rx_bytes"] for e in merges], [e["tx_bytes"] for e in merges]
+            assert rx == sorted(rx) and tx == sorted(tx) and rx[-1] > rx[0]
+            span = merges[-1]["t"] - merges[0]["t"]
+            assert s["rx_bytes_per_s"] == pytest.approx((rx[-1] - rx[0]) / span)
+            assert s["tx_bytes_per_s"] == pytest.approx((tx[-1] - tx[0]) / span)
+            assert s["bytes_per_merge"] == pytest.approx((rx[-1] - rx[0] + tx[-1] - tx[0]) / (len(merges) - 1))
+            assert s["merges_per_s"] == pytest.approx(s["merges"] / f["window_s"])
+            assert s["sync_cpu_ms_per_merge"] > 0
+        assert f["bytes_per_s"] == pytest.approx(sum(s["rx_bytes_per_s"] + s["tx_bytes_per_s"]
+                                                     for s in f["per_shard"]))
+        merges_between = sum(s["merges"] - 1 for s in f["per_shard"])
+        assert f["sync_cpu_ms_per_merge"] == pytest.approx(
+            sum(s["sync_cpu_ms_per_merge"] * (s["merges"] - 1) for s in f["per_shard"]) / merges_between)
 
 
 def test_a_run_without_steps_is_an_error_not_a_zero(tmp_path):

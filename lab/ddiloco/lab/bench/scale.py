@@ -22,6 +22,14 @@ synchronise, on every CPU of the machine (a learner alone in a fleet gets them a
   last (every merge event carries ``cpu_s``), over the merges in between: receiving, decoding,
   merging, committing and broadcasting, all of it. ``sync_cores`` is that CPU over the same
   wall time.
+- ``--shards 1,2,4`` runs every fleet size against a synchronizer of 1, 2 and 4 shards
+  (``ddiloco run --shards``). Each point then has a row per shard (``per_shard``): its merges and
+  merges per second (over the fleet's training window), its CPU per merge and cores, and the chunk
+  payload bytes it received and sent per second and per merge, from the counters every merge
+  event carries (``rx_bytes``, ``tx_bytes``), between its first merge and its last. The point's
+  ``bytes_per_s`` is the shards' sum; ``sync_cpu_ms_per_merge`` is all shards' CPU over all
+  their merges. On one machine the shards share its cores with the learners: the CPU figures say
+  what a shard costs, the rates what this machine reached, not what S machines would.
 - ``step_ms`` (compute per inner step) and ``blocked_share`` show where a learner's time went;
   ``mean_quorum`` is how many learners' contributions a merge held on average.
 """
@@ -59,14 +67,54 @@ def _learner_counts(text: str) -> list[int]:
     return sorted(set(counts))
 
 
+def _shard_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of shard counts, got {text!r}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"shard counts must be >= 1, got {text!r}")
+    return sorted(set(counts))
+
+
+def _merge_logs(out: pathlib.Path) -> list[pathlib.Path]:
+    """A run folder's merge logs, one per shard in shard order (``synchronizer.jsonl`` when one)."""
+    one = out / "synchronizer.jsonl"
+    if one.exists():
+        return [one]
+    return sorted(out.glob("synchronizer-*.jsonl"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+
+
+def _shard_row(shard: int, merges: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
+    """One shard's merges, CPU and payload bytes, from its merge events."""
+    row: dict[str, Any] = {"shard": shard, "merges": len(merges), "merges_per_s": len(merges) / window_s,
+                           "sync_cpu_ms_per_merge": None, "sync_cores": None, "rx_bytes_per_s": None,
+                           "tx_bytes_per_s": None, "bytes_per_merge": None}
+    timed = [e for e in merges if "cpu_s" in e]
+    if len(timed) > 1:
+        span = max(timed[-1]["t"] - timed[0]["t"], 1e-9)
+        cpu = timed[-1]["cpu_s"] - timed[0]["cpu_s"]
+        row["sync_cpu_ms_per_merge"] = 1e3 * cpu / (len(timed) - 1)
+        row["sync_cores"] = cpu / span
+    counted = [e for e in merges if "rx_bytes" in e]
+    if len(counted) > 1:
+        span = max(counted[-1]["t"] - counted[0]["t"], 1e-9)
+        rx = counted[-1]["rx_bytes"] - counted[0]["rx_bytes"]
+        tx = counted[-1]["tx_bytes"] - counted[0]["tx_bytes"]
+        row["rx_bytes_per_s"] = rx / span
+        row["tx_bytes_per_s"] = tx / span
+        row["bytes_per_merge"] = (rx + tx) / (len(counted) - 1)
+    return row
+
+
 def measure(out: pathlib.Path) -> dict[str, Any]:
-    """Throughput and synchronizer CPU of one finished ``ddiloco run`` folder."""
+    """Throughput and synchronizer CPU of one finished ``ddiloco run`` folder (every shard's)."""
     from ddiloco.lab.event_logs import load_jsonl
     from ddiloco.lab.goodput import fleet_summary
 
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
-    sync_log = out / "synchronizer.jsonl"
-    merges = [e for e in load_jsonl(sync_log) if e.get("event") == schema.MERGE] if sync_log.exists() else []
+    per_log = [[e for e in load_jsonl(p) if e.get("event") == schema.MERGE] for p in _merge_logs(out)]
+    merges = sorted((e for m in per_log for e in m), key=lambda e: e["t"])
     fleet = fleet_summary(logs, merges)
     if not fleet.get("training_window") or not fleet.get("steps"):
         raise RuntimeError(f"{out}: the run logged no training steps")
@@ -83,12 +131,21 @@ def measure(out: pathlib.Path) -> dict[str, Any]:
         "final_eval_loss": summary["final_eval_loss"],
         "sync_cpu_ms_per_merge": None,
         "sync_cores": None,
+        "bytes_per_s": None,
     }
-    timed = [e for e in merges if "cpu_s" in e]
-    if len(timed) > 1:
-        cpu = timed[-1]["cpu_s"] - timed[0]["cpu_s"]
-        row["sync_cpu_ms_per_merge"] = 1e3 * cpu / (len(timed) - 1)
-        row["sync_cores"] = cpu / max(timed[-1]["t"] - timed[0]["t"], 1e-9)
+    if not per_log:
+        return row  # dp: nothing synchronised
+    shards = [_shard_row(s, m, end - start) for s, m in enumerate(per_log)]
+    row["shards"] = len(shards)
+    row["per_shard"] = shards
+    timed = [(s, m) for s, m in zip(shards, per_log, strict=True) if s["sync_cpu_ms_per_merge"] is not None]
+    if timed:
+        # all shards' CPU over all their merges (each shard's first merge only opens its span)
+        cpu_ms = sum(s["sync_cpu_ms_per_merge"] * (s["merges"] - 1) for s, _ in timed)
+        row["sync_cpu_ms_per_merge"] = cpu_ms / sum(s["merges"] - 1 for s, _ in timed)
+        row["sync_cores"] = sum(s["sync_cores"] for s, _ in timed)
+    if all(s["rx_bytes_per_s"] is not None for s in shards):
+        row["bytes_per_s"] = sum(s["rx_bytes_per_s"] + s["tx_bytes_per_s"] for s in shards)
     return row
 
 
@@ -98,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learners", type=_learner_counts, default=[1, 2, 3, 4],
                         help="fleet sizes to run, comma-separated (default 1,2,3,4)")
     parser.add_argument("--steps", type=int, default=120, help="inner steps per learner (default 120)")
+    parser.add_argument("--shards", type=_shard_counts, default=[1],
+                        help="synchronizer shard counts to run every fleet size with, comma-separated (default 1)")
     parser.add_argument("--mode", choices=MODES, default="decoupled", help="the fleets' mode (default decoupled)")
     parser.add_argument("--config", help="a ddiloco run config (YAML/JSON) for every point: model, data, protocol")
     parser.add_argument("--seed", type=int, default=0, help="seed of every point (default 0)")
@@ -139,9 +198,9 @@ def _document(args: argparse.Namespace) -> dict[str, Any]:
     from ddiloco.lab.run_config import merge_documents, resolve, validate
 
     document = merge_documents(read_document(args.config) if args.config else {}, {"run": BENCH_RUN})
-    for n, mode in [(1, "dp"), *((n, args.mode) for n in args.learners)]:
+    for n, mode, shards in [(1, "dp", 1), *((n, args.mode, s) for n in args.learners for s in args.shards)]:
         ns = argparse.Namespace(config=args.config, learners=n, steps=args.steps, mode=mode, seed=args.seed,
-                                learner_speed=None)
+                                learner_speed=None, shards=shards)
         validate(resolve(ns, document)[1])
     return document
 
@@ -153,13 +212,15 @@ def _run(args: argparse.Namespace, workdir: pathlib.Path, config: pathlib.Path) 
     document.setdefault("train", {})["threads"] = 1
     one_thread.write_text(yaml.safe_dump(document, sort_keys=False))
 
-    def point(name: str, learners: int, mode: str, config: pathlib.Path = config) -> dict[str, Any]:
+    def point(name: str, learners: int, mode: str, config: pathlib.Path = config, shards: int = 1) -> dict[str, Any]:
         out = workdir / name
         cmd = [sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(config), "--out", str(out),
                "--no-progress", "--learners", str(learners), "--steps", str(args.steps), "--mode", mode,
                "--seed", str(args.seed)]
-        print(f"ddiloco bench scale: {name}: {learners} learner(s), {mode}, {args.steps} steps ...",
-              file=sys.stderr, flush=True)
+        if shards > 1:
+            cmd += ["--shards", str(shards)]
+        print(f"ddiloco bench scale: {name}: {learners} learner(s), {mode}, {shards} shard(s), "
+              f"{args.steps} steps ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -181,17 +242,20 @@ def _run(args: argparse.Namespace, workdir: pathlib.Path, config: pathlib.Path) 
     alone_1 = point("alone-1-thread", 1, "dp", one_thread) if cpus > 1 else alone
     fleets = []
     for n in args.learners:
-        row = point(f"learners-{n}", n, args.mode)
-        row["ratio"] = row["tokens_per_s"] / alone["tokens_per_s"]
-        row["ideal_tokens_per_s"] = max(alone["tokens_per_s"], min(n, cpus) * alone_1["tokens_per_s"])
-        row["efficiency"] = row["tokens_per_s"] / row["ideal_tokens_per_s"]
-        fleets.append(row)
+        for shards in args.shards:
+            row = point(f"learners-{n}" if shards == 1 else f"learners-{n}-shards-{shards}", n, args.mode,
+                        shards=shards)
+            row["ratio"] = row["tokens_per_s"] / alone["tokens_per_s"]
+            row["ideal_tokens_per_s"] = max(alone["tokens_per_s"], min(n, cpus) * alone_1["tokens_per_s"])
+            row["efficiency"] = row["tokens_per_s"] / row["ideal_tokens_per_s"]
+            fleets.append(row)
     return {
         "benchmark": "scale",
         "what": "tokens/s of ddiloco run with N learners against one learner alone (dp, nothing to "
                 "synchronise), each a real run on this machine, measured in this run",
         "machine": {"cpus": cpus, "platform": platform.platform(), "python": platform.python_version()},
         "mode": args.mode,
+        "shards": args.shards,
         "steps": args.steps,
         "seed": args.seed,
         "config": args.config,
@@ -212,14 +276,29 @@ def _print_table(r: dict[str, Any]) -> None:
     def num(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
+    def mib(v: Any) -> str:
+        return "-" if v is None else f"{v / 2**20:.2f}"
+
     print(f"ddiloco bench scale: {r['mode']}, {r['steps']} steps per learner, {r['machine']['cpus']} CPUs")
-    print(f"{'learners':>16} {'tokens/s':>9} {'ratio':>6} {'ideal':>7} {'effic.':>7} {'step ms':>8} "
-          f"{'blocked':>8} {'merges':>7} {'sync ms/merge':>14} {'sync cores':>11} {'eval loss':>10}")
+    print(f"{'learners':>16} {'shards':>6} {'tokens/s':>9} {'ratio':>6} {'ideal':>7} {'effic.':>7} {'step ms':>8} "
+          f"{'blocked':>8} {'merges':>7} {'sync ms/merge':>14} {'sync cores':>11} {'MiB/s':>7} {'eval loss':>10}")
     for name, a in (("alone", r["alone"]), ("alone, 1 thread", r["alone_1_thread"])):
-        print(f"{name:>16} {a['tokens_per_s']:>9.0f} {a['tokens_per_s'] / r['alone']['tokens_per_s']:>6.2f} "
-              f"{'':>7} {'':>7} {a['step_ms']:>8.1f} {'':>8} {'':>7} {'':>14} {'':>11} {a['final_eval_loss']:>10.4f}")
+        print(f"{name:>16} {'':>6} {a['tokens_per_s']:>9.0f} {a['tokens_per_s'] / r['alone']['tokens_per_s']:>6.2f} "
+              f"{'':>7} {'':>7} {a['step_ms']:>8.1f} {'':>8} {'':>7} {'':>14} {'':>11} {'':>7} "
+              f"{a['final_eval_loss']:>10.4f}")
     for f in r["fleets"]:
-        print(f"{f['learners']:>16} {f['tokens_per_s']:>9.0f} {f['ratio']:>6.2f} {f['ideal_tokens_per_s']:>7.0f} "
-              f"{f['efficiency']:>7.2f} {f['step_ms']:>8.1f} {num(f['blocked_share'], '.3f'):>8} "
-              f"{f['merges']:>7} {num(f['sync_cpu_ms_per_merge'], '.1f'):>14} {num(f['sync_cores'], '.2f'):>11} "
-              f"{f['final_eval_loss']:>10.4f}")
+        print(f"{f['learners']:>16} {f.get('shards', 1):>6} {f['tokens_per_s']:>9.0f} {f['ratio']:>6.2f} "
+              f"{f['ideal_tokens_per_s']:>7.0f} {f['efficiency']:>7.2f} {f['step_ms']:>8.1f} "
+              f"{num(f['blocked_share'], '.3f'):>8} {f['merges']:>7} {num(f['sync_cpu_ms_per_merge'], '.1f'):>14} "
+              f"{num(f['sync_cores'], '.2f'):>11} {mib(f.get('bytes_per_s')):>7} {f['final_eval_loss']:>10.4f}")
+    sharded = [f for f in r["fleets"] if f.get("shards", 1) > 1]
+    if sharded:
+        print(f"per shard: {'learners':>8} {'shards':>6} {'shard':>5} {'merges':>7} {'merges/s':>9} "
+              f"{'ms/merge':>9} {'cores':>6} {'rx MiB/s':>9} {'tx MiB/s':>9} {'KiB/merge':>10}")
+        for f in sharded:
+            for s in f["per_shard"]:
+                kib = "-" if s["bytes_per_merge"] is None else f"{s['bytes_per_merge'] / 1024:.1f}"
+                print(f"{'':>10} {f['learners']:>8} {f['shards']:>6} {s['shard']:>5} {s['merges']:>7} "
+                      f"{s['merges_per_s']:>9.2f} {num(s['sync_cpu_ms_per_merge'], '.1f'):>9} "
+                      f"{num(s['sync_cores'], '.2f'):>6} {mib(s['rx_bytes_per_s']):>9} "
+                      f"{mib(s['tx_bytes_per_s']):>9} {kib:>10}")

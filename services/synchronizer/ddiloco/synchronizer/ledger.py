@@ -129,6 +129,8 @@ class Ledger:
                     "staleness": staleness, "scale": scale, "merge_s": merge_s, "commit_s": commit_s,
                     # this process's CPU seconds so far: CPU per merge is the difference between merges
                     "cpu_s": time.process_time(),
+                    # and its payload bytes so far: bytes per second between two merges likewise
+                    "rx_bytes": m.received_bytes, "tx_bytes": m.sent_bytes,
                     "contributions": [[p.learner_id, p.incarnation, p.sequence]
                                       for c in contributions for p in c.parts()]})
 

@@ -79,6 +79,10 @@ class SynchronizerMetrics:
                                    buckets=(0, 1, 2, 3, 4, 8, 16), registry=r)
         self.bytes_in = Counter("ddiloco_sync_received_bytes_total", "Chunk payload bytes received", registry=r)
         self.bytes_out = Counter("ddiloco_sync_sent_bytes_total", "Chunk payload bytes sent", registry=r)
+        self.received_bytes = 0
+        """Chunk payload bytes received so far (``bytes_in``'s value, readable without the registry)."""
+        self.sent_bytes = 0
+        """Chunk payload bytes sent so far (``bytes_out``'s value)."""
         self.version = Gauge("ddiloco_sync_fragment_version", "Current version per fragment", ["fragment"],
                              registry=r)
         self.live_learners = Gauge("ddiloco_sync_live_learners", "Learners counting for quorums", registry=r)
@@ -95,6 +99,16 @@ class SynchronizerMetrics:
         self.registry = CollectorRegistry()
         """What is exported: every metric above, labelled by shard once ``set_shard`` made it a shard."""
         self.registry.register(self._shard_label)
+
+    def received(self, n: int) -> None:
+        """``n`` chunk payload bytes came in."""
+        self.bytes_in.inc(n)
+        self.received_bytes += n
+
+    def sent(self, n: int) -> None:
+        """``n`` chunk payload bytes went out."""
+        self.bytes_out.inc(n)
+        self.sent_bytes += n
 
     def set_shard(self, shard_index: int, shard_count: int) -> None:
         """Label every sample ``shard="<shard_index>"`` when the synchronizer is one of

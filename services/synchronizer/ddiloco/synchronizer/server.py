@@ -211,7 +211,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 item = pop_task.result()
                 if isinstance(item, GlobalTransfer):
                     for chunk in item.chunks:
-                        self.metrics.bytes_out.inc(len(chunk.data))
+                        self.metrics.sent(len(chunk.data))
                         yield chunk  # serialized without a protobuf copy
                 else:
                     yield wire.synchronizer_message_to_pb(item)
@@ -263,7 +263,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 raise _Violation(grpc.StatusCode.INVALID_ARGUMENT, f"protocol: {exc}") from exc
             engine.touch(record)
             if isinstance(msg, Chunk):
-                self.metrics.bytes_in.inc(len(msg.data))
+                self.metrics.received(len(msg.data))
                 header = reassembler.in_progress or msg.header
                 try:
                     transfer = reassembler.feed(msg)
@@ -297,7 +297,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
             await context.abort(_STATUS.get(r.code, grpc.StatusCode.FAILED_PRECONDITION), f"{r.reason}: {r.detail}")
         for transfer in transfers:
             for chunk in transfer.chunks:
-                self.metrics.bytes_out.inc(len(chunk.data))
+                self.metrics.sent(len(chunk.data))
                 yield chunk
 
     async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
