@@ -5,6 +5,7 @@ refused before any run starts."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -24,12 +25,19 @@ synchronizer: {policy: {quorum: 1, grace_gamma: 0.5, max_grace_s: 1.0}, heartbea
 """
 
 
-def test_fleets_and_alone_run_and_are_measured_in_one_run(tmp_path):
-    cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
+def _bench(tmp_path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``ddiloco bench scale`` on the tiny config, its runs under ``tmp_path/work``, its JSON in
+    ``tmp_path/scale.json``."""
+    cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)
-    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
-                     "--learners", "2,1", "--steps", "24", "--workdir", str(work), "--out", str(out),
-                     "--json"], capture_output=True, text=True, timeout=300)
+    return run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
+                     "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "scale.json"), *args],
+                    capture_output=True, text=True, timeout=timeout)
+
+
+def test_fleets_and_alone_run_and_are_measured_in_one_run(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "scale.json"
+    proc = _bench(tmp_path, "--learners", "2,1", "--steps", "24", "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)
     assert r == json.loads(out.read_text())
@@ -90,11 +98,8 @@ def test_bad_options_are_refused_before_any_run_starts(tmp_path, capsys):
 
 
 def test_sharded_points_report_each_shards_merges_cpu_and_bytes(tmp_path):
-    cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
-    cfg.write_text(TINY)
-    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
-                     "--learners", "2", "--shards", "2,1", "--steps", "24", "--workdir", str(work),
-                     "--out", str(out)], capture_output=True, text=True, timeout=400)
+    work, out = tmp_path / "work", tmp_path / "scale.json"
+    proc = _bench(tmp_path, "--learners", "2", "--shards", "2,1", "--steps", "24", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "per shard:" in proc.stdout  # the table has a row per shard
     r = json.loads(out.read_text())
@@ -135,11 +140,8 @@ def test_a_run_without_steps_is_an_error_not_a_zero(tmp_path):
 
 
 def test_a_point_past_its_timeout_is_stopped_and_reported(tmp_path):
-    cfg, work, out = tmp_path / "tiny.yaml", tmp_path / "work", tmp_path / "scale.json"
-    cfg.write_text(TINY)
-    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "bench", "scale", "--config", str(cfg),
-                     "--learners", "1", "--steps", "100000", "--timeout", "2", "--workdir", str(work),
-                     "--out", str(out)], capture_output=True, text=True, timeout=120)
+    work, out = tmp_path / "work", tmp_path / "scale.json"
+    proc = _bench(tmp_path, "--learners", "1", "--steps", "100000", "--timeout", "2", timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "alone timed out after 2 s" in proc.stderr and str(work) in proc.stderr
     assert not out.exists()  # no results from a run that did not finish

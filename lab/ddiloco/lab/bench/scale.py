@@ -43,6 +43,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -57,24 +58,17 @@ BENCH_RUN = {"global_eval_every_s": 0, "final_eval_batches": 4}
 """Laid over the ``run`` section of every point: no evaluation competing for the cores."""
 
 
-def _learner_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of learner counts, got {text!r}") from None
-    if not counts or any(n < 1 for n in counts):
-        raise argparse.ArgumentTypeError(f"learner counts must be >= 1, got {text!r}")
-    return sorted(set(counts))
-
-
-def _shard_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of shard counts, got {text!r}") from None
-    if not counts or any(n < 1 for n in counts):
-        raise argparse.ArgumentTypeError(f"shard counts must be >= 1, got {text!r}")
-    return sorted(set(counts))
+def _counts(what: str) -> Callable[[str], list[int]]:
+    """An argparse type: a comma-separated list of ``what`` counts, each >= 1, sorted, each once."""
+    def parse(text: str) -> list[int]:
+        try:
+            counts = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a comma-separated list of {what} counts, got {text!r}") from None
+        if not counts or any(n < 1 for n in counts):
+            raise argparse.ArgumentTypeError(f"{what} counts must be >= 1, got {text!r}")
+        return sorted(set(counts))
+    return parse
 
 
 def _merge_logs(out: pathlib.Path) -> list[pathlib.Path]:
@@ -152,10 +146,10 @@ def measure(out: pathlib.Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddiloco bench scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--learners", type=_learner_counts, default=[1, 2, 3, 4],
+    parser.add_argument("--learners", type=_counts("learner"), default=[1, 2, 3, 4],
                         help="fleet sizes to run, comma-separated (default 1,2,3,4)")
     parser.add_argument("--steps", type=int, default=120, help="inner steps per learner (default 120)")
-    parser.add_argument("--shards", type=_shard_counts, default=[1],
+    parser.add_argument("--shards", type=_counts("shard"), default=[1],
                         help="synchronizer shard counts to run every fleet size with, comma-separated (default 1)")
     parser.add_argument("--mode", choices=MODES, default="decoupled", help="the fleets' mode (default decoupled)")
     parser.add_argument("--config", help="a ddiloco run config (YAML/JSON) for every point: model, data, protocol")
