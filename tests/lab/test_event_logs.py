@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ddiloco.core import events
-from ddiloco.lab.event_logs import Tail, load_jsonl, read_jsonl
+from ddiloco.lab.event_logs import Tail, load_jsonl, read_jsonl, synchronizer_logs
 
 
 def _line(event: str, t: float, **fields: object) -> str:
@@ -76,3 +76,19 @@ def test_a_live_tail_follows_the_same_rule(tmp_path: Path) -> None:
         f.write("garbage\n")
     with pytest.raises(ValueError, match=r"learner\.jsonl:5: malformed"):
         tail.read()
+
+
+def test_synchronizer_logs_come_in_shard_order_as_numbers(tmp_path: Path) -> None:
+    for s in range(12):  # lexical order would put shard 10 and 11 between 1 and 2
+        (tmp_path / f"synchronizer-{s}.jsonl").write_text("")
+    (tmp_path / "synchronizer-old.jsonl").write_text("")  # not a shard's log
+    (tmp_path / "learners").mkdir()
+    got = synchronizer_logs(tmp_path)
+    assert [s for s, _ in got] == list(range(12))
+    assert [p.name for _, p in got] == [f"synchronizer-{s}.jsonl" for s in range(12)]
+
+
+def test_synchronizer_logs_of_one_synchronizer_and_of_none(tmp_path: Path) -> None:
+    assert synchronizer_logs(tmp_path) == []
+    (tmp_path / "synchronizer.jsonl").write_text("")
+    assert synchronizer_logs(tmp_path) == [(None, tmp_path / "synchronizer.jsonl")]

@@ -79,6 +79,22 @@ def load_jsonl(path: str | os.PathLike[str], *, missing_ok: bool = False) -> lis
     return read_jsonl(path, missing_ok=missing_ok).records
 
 
+def synchronizer_logs(run_dir: str | os.PathLike[str]) -> list[tuple[int | None, Path]]:
+    """A ``ddiloco run`` folder's synchronizer logs as ``(shard, path)`` in shard order:
+    ``[(None, synchronizer.jsonl)]`` for one synchronizer, ``synchronizer-<s>.jsonl`` for each
+    shard s of a sharded one (ordered by s as a number: shard 10 comes after shard 9)."""
+    folder = Path(run_dir)
+    one = folder / "synchronizer.jsonl"
+    if one.exists():
+        return [(None, one)]
+    shards = []
+    for path in folder.glob("synchronizer-*.jsonl"):
+        suffix = path.stem.rpartition("-")[2]
+        if suffix.isdigit():
+            shards.append((int(suffix), path))
+    return sorted(shards)
+
+
 class Tail:
     """Incrementally reads the complete lines of a growing JSON Lines file (a live run's logs),
     under ``read_jsonl``'s rule: a last line is held back until its newline arrives; a complete

@@ -136,7 +136,7 @@ def _status(target: str) -> dict[str, Any]:
 
 
 def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
-    from ddiloco.lab.event_logs import load_jsonl
+    from ddiloco.lab.event_logs import load_jsonl, synchronizer_logs
     from ddiloco.lab.global_eval import read_curve
     from ddiloco.lab.goodput import fleet_summary
     from ddiloco.lab.invariants import check as check_invariants
@@ -145,17 +145,20 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
     run = doc["run"]
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
     # every shard's merge log, one after another (a sharded run has synchronizer-<s>.jsonl)
-    merge_log = [e for path in sorted(out.glob("synchronizer*.jsonl")) for e in load_jsonl(path)]
+    sync_logs = [(shard, load_jsonl(path)) for shard, path in synchronizer_logs(out)]
+    merge_log = [e for _, log in sync_logs for e in log]
     fleet = fleet_summary(logs, merge_log)
-    shard_logs = sorted(out.glob("synchronizer-*.jsonl"))
+    replies = (result.get("status") or {}).get("shards") or []
     per_shard = []
-    for path in shard_logs:  # each shard's merges on their own: one shard's outage is not the fleet's
-        of_shard = fleet_summary(logs, load_jsonl(path))
-        per_shard.append({"shard": path.stem.rpartition("-")[2], "merges": of_shard.get("merges"),
+    for shard, log in sync_logs:  # each shard's merges on their own: one shard's outage is not the fleet's
+        if shard is None:
+            continue
+        of_shard = fleet_summary(logs, log)
+        per_shard.append({"shard": str(shard), "merges": of_shard.get("merges"),
                           "max_merge_gap_s": of_shard.get("max_merge_gap_s"),
-                          "restart_to_first_merge_s": of_shard.get("restart_to_first_merge_s", [])})
-    for shard, reply in zip(per_shard, (result.get("status") or {}).get("shards") or [], strict=False):
-        shard["fleet_step"] = reply.get("fleet_step")  # each shard counts the fleet's steps itself
+                          "restart_to_first_merge_s": of_shard.get("restart_to_first_merge_s", []),
+                          # each shard counts the fleet's steps itself (replies are in shard order)
+                          "fleet_step": replies[shard].get("fleet_step") if shard < len(replies) else None})
     if per_shard:  # a shard's restart is measured to its own first merge, not the next shard's
         fleet["restart_to_first_merge_s"] = [t for shard in per_shard for t in shard["restart_to_first_merge_s"]]
     if run["mode"] == "dp":

@@ -71,12 +71,14 @@ def _counts(what: str) -> Callable[[str], list[int]]:
     return parse
 
 
-def _merge_logs(out: pathlib.Path) -> list[pathlib.Path]:
-    """A run folder's merge logs, one per shard in shard order (``synchronizer.jsonl`` when one)."""
-    one = out / "synchronizer.jsonl"
-    if one.exists():
-        return [one]
-    return sorted(out.glob("synchronizer-*.jsonl"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+def _rate(merges: list[dict[str, Any]], counter: str) -> tuple[float, int, float] | None:
+    """A process counter carried by merge events (``cpu_s``, ``rx_bytes``, ...) over the span of
+    the merges that carry it: (growth, merges after the first, seconds), or None below two."""
+    counted = [e for e in merges if counter in e]
+    if len(counted) < 2:
+        return None
+    return (counted[-1][counter] - counted[0][counter], len(counted) - 1,
+            max(counted[-1]["t"] - counted[0]["t"], 1e-9))
 
 
 def _shard_row(shard: int, merges: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
@@ -84,30 +86,24 @@ def _shard_row(shard: int, merges: list[dict[str, Any]], window_s: float) -> dic
     row: dict[str, Any] = {"shard": shard, "merges": len(merges), "merges_per_s": len(merges) / window_s,
                            "sync_cpu_ms_per_merge": None, "sync_cores": None, "rx_bytes_per_s": None,
                            "tx_bytes_per_s": None, "bytes_per_merge": None}
-    timed = [e for e in merges if "cpu_s" in e]
-    if len(timed) > 1:
-        span = max(timed[-1]["t"] - timed[0]["t"], 1e-9)
-        cpu = timed[-1]["cpu_s"] - timed[0]["cpu_s"]
-        row["sync_cpu_ms_per_merge"] = 1e3 * cpu / (len(timed) - 1)
-        row["sync_cores"] = cpu / span
-    counted = [e for e in merges if "rx_bytes" in e]
-    if len(counted) > 1:
-        span = max(counted[-1]["t"] - counted[0]["t"], 1e-9)
-        rx = counted[-1]["rx_bytes"] - counted[0]["rx_bytes"]
-        tx = counted[-1]["tx_bytes"] - counted[0]["tx_bytes"]
-        row["rx_bytes_per_s"] = rx / span
-        row["tx_bytes_per_s"] = tx / span
-        row["bytes_per_merge"] = (rx + tx) / (len(counted) - 1)
+    if cpu := _rate(merges, "cpu_s"):
+        row["sync_cpu_ms_per_merge"] = 1e3 * cpu[0] / cpu[1]
+        row["sync_cores"] = cpu[0] / cpu[2]
+    rx, tx = _rate(merges, "rx_bytes"), _rate(merges, "tx_bytes")
+    if rx and tx:
+        row["rx_bytes_per_s"] = rx[0] / rx[2]
+        row["tx_bytes_per_s"] = tx[0] / tx[2]
+        row["bytes_per_merge"] = (rx[0] + tx[0]) / rx[1]
     return row
 
 
 def measure(out: pathlib.Path) -> dict[str, Any]:
     """Throughput and synchronizer CPU of one finished ``ddiloco run`` folder (every shard's)."""
-    from ddiloco.lab.event_logs import load_jsonl
+    from ddiloco.lab.event_logs import load_jsonl, synchronizer_logs
     from ddiloco.lab.goodput import fleet_summary
 
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
-    per_log = [[e for e in load_jsonl(p) if e.get("event") == schema.MERGE] for p in _merge_logs(out)]
+    per_log = [[e for e in load_jsonl(p) if e.get("event") == schema.MERGE] for _, p in synchronizer_logs(out)]
     merges = sorted((e for m in per_log for e in m), key=lambda e: e["t"])
     fleet = fleet_summary(logs, merges)
     if not fleet.get("training_window") or not fleet.get("steps"):
@@ -132,12 +128,12 @@ def measure(out: pathlib.Path) -> dict[str, Any]:
     shards = [_shard_row(s, m, end - start) for s, m in enumerate(per_log)]
     row["shards"] = len(shards)
     row["per_shard"] = shards
-    timed = [(s, m) for s, m in zip(shards, per_log, strict=True) if s["sync_cpu_ms_per_merge"] is not None]
+    timed = [s for s in shards if s["sync_cpu_ms_per_merge"] is not None]
     if timed:
         # all shards' CPU over all their merges (each shard's first merge only opens its span)
-        cpu_ms = sum(s["sync_cpu_ms_per_merge"] * (s["merges"] - 1) for s, _ in timed)
-        row["sync_cpu_ms_per_merge"] = cpu_ms / sum(s["merges"] - 1 for s, _ in timed)
-        row["sync_cores"] = sum(s["sync_cores"] for s, _ in timed)
+        cpu_ms = sum(s["sync_cpu_ms_per_merge"] * (s["merges"] - 1) for s in timed)
+        row["sync_cpu_ms_per_merge"] = cpu_ms / sum(s["merges"] - 1 for s in timed)
+        row["sync_cores"] = sum(s["sync_cores"] for s in timed)
     if all(s["rx_bytes_per_s"] is not None for s in shards):
         row["bytes_per_s"] = sum(s["rx_bytes_per_s"] + s["tx_bytes_per_s"] for s in shards)
     return row
