@@ -1,6 +1,6 @@
 """Chunked transfers and the payload gate: every malformed stream raises its own typed error.
 
-Covers ``ddiloco.fragments.chunking`` (split, strict reassembly, CRC-32C per chunk, xxh3-128
+Covers ``ddiloco.fragments.chunking`` (split, strict reassembly, the CRC-32C older peers need, xxh3-128
 digest per payload) and ``ddiloco.fragments.payload`` (layout checks, decode, non-finite refusal).
 The reassembler must also recover: after any rejected transfer the next good one goes through.
 """
@@ -100,7 +100,7 @@ def test_several_transfers_on_one_stream() -> None:
 
 
 @pytest.mark.parametrize("codec_name", CODEC_NAMES)
-def test_one_corrupted_byte_in_any_chunk_is_detected(codec_name: str) -> None:
+def test_one_corrupted_byte_in_any_chunk_fails_the_payload_digest(codec_name: str) -> None:
     # Enough values for at least three chunks with every codec (int2_block: 0.31 bytes a value).
     values = torch.randn(10000, generator=torch.Generator().manual_seed(0)) * 0.02
     payload = make_codec(codec_name, threads=1).encode(values)
@@ -114,7 +114,7 @@ def test_one_corrupted_byte_in_any_chunk_is_detected(codec_name: str) -> None:
             bad = list(chunks)
             bad[index] = dataclasses.replace(chunk, data=bytes(data))
             reassembler = Reassembler(max_chunk_bytes=997)
-            with pytest.raises(ChecksumError, match=f"chunk {index} ") as info:
+            with pytest.raises(ChecksumError, match="fails its payload digest") as info:
                 _feed_all(reassembler, bad)
             assert info.value.reason == "CHECKSUM"
             assert reassembler.in_progress is None
@@ -122,12 +122,32 @@ def test_one_corrupted_byte_in_any_chunk_is_detected(codec_name: str) -> None:
 
 
 def test_fp32_payload_corruption_decodes_silently_without_the_crc() -> None:
-    """Why chunks carry a CRC: a flipped fp32 byte is still a valid fp32 payload."""
+    """Why transfers carry a digest: a flipped fp32 byte is still a valid fp32 payload."""
     values = torch.randn(100)
     payload = bytearray(make_codec("fp32").encode(values))
     payload[41] ^= 0x10
     decoded = make_codec("fp32").decode(bytes(payload), 100)
     assert not torch.equal(decoded, values)
+
+
+def test_chunks_leave_their_crc_unset_and_with_crc32c_fills_it_for_older_receivers() -> None:
+    payload = os.urandom(3 * CHUNK + 5)
+    chunks = _chunks(payload)
+    assert [c.crc32c for c in chunks] == [0] * 4
+    filled = [c.with_crc32c() for c in chunks]
+    assert [c.crc32c for c in filled] == [crc32c(c.data) for c in chunks]
+    assert all(c.crc32c for c in filled)  # none of these random chunks has a CRC of 0
+    assert [(c.transfer_id, c.index, bytes(c.data), c.header) for c in filled] == [
+        (c.transfer_id, c.index, bytes(c.data), c.header) for c in chunks]
+
+
+def test_a_chunk_crc_is_not_read_the_digest_decides() -> None:
+    """A wrong CRC-32C on intact data goes through: the payload digest covers every byte."""
+    payload = os.urandom(3 * CHUNK)
+    chunks = [c.with_crc32c() for c in _chunks(payload)]
+    chunks[1] = dataclasses.replace(chunks[1], crc32c=chunks[1].crc32c ^ 1)
+    transfer = _feed_all(Reassembler(max_chunk_bytes=CHUNK), chunks)
+    assert transfer is not None and bytes(transfer.payload) == payload
 
 
 def test_digest_mismatch_is_detected_when_chunk_crcs_are_consistent() -> None:
@@ -431,3 +451,16 @@ def test_a_reassembled_fp32_transfer_is_decoded_without_a_copy_and_a_bytes_paylo
     copied = decode_fragment(frozen, LAYOUT)
     copied[0] = 7.0  # a bytes payload is never written through
     assert struct.unpack_from("<f", frozen.payload)[0] == 123.0
+
+
+def test_a_reassembled_transfer_joins_its_chunks_once_and_only_when_its_payload_is_read() -> None:
+    payload = os.urandom(4 * CHUNK + 3)
+    transfer = _feed_all(Reassembler(max_chunk_bytes=CHUNK), _chunks(payload))
+    assert transfer is not None
+    assert transfer.size == len(payload)
+    assert isinstance(transfer._body, tuple), "not joined before it is read"
+    joined = transfer.payload
+    assert isinstance(joined, bytearray) and joined == payload
+    assert transfer.payload is joined
+    assert transfer == Transfer(transfer.header, payload, transfer.received_at)
+    assert transfer != Transfer(transfer.header, payload[:-1] + b"x", transfer.received_at)

@@ -12,7 +12,7 @@ chosen by its first byte:
     [2]      header faults: bits 0-1 fragment id (0, 1, 2 = unknown, 2**32-1); bit 2 one value too
              many; bit 3 first tensor flattened; bit 4 first tensor bfloat16; bit 5 last tensor
              dropped; bit 6 kind "global"; bit 7 first tensor renamed
-    [3]      chunk fault: low 3 bits the operation (none, swap, duplicate, drop, bad CRC,
+    [3]      chunk fault: low 3 bits the operation (none, swap, duplicate, drop, bad CRC (not read),
              header moved, other transfer id, bit flip with CRC fixed), high 5 bits the chunk
     [4:6]    chunk size, u16 little-endian (0: one chunk)
     [6:10]   the header's block_size, u32 little-endian

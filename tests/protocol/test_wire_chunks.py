@@ -7,15 +7,19 @@ order the fields come in, whatever unknown fields ride along, however the bytes 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.fragments.chunking import Chunk, TransferHeader, split
+from ddiloco.fragments.chunking import Chunk, Reassembler, TransferHeader, split
+from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.errors import FragmentError
-from ddiloco.fragments.partition import TensorSpec
+from ddiloco.fragments.partition import TensorSpec, partition_tensors
+from ddiloco.fragments.payload import decode_fragment, encode_fragment
 from ddiloco.protocol import wire
 from ddiloco.protocol.wire.convert import pb
 from ddiloco.protocol.wire.framing import varint
@@ -194,3 +198,65 @@ def test_only_messages_of_at_most_16_fields_are_scanned() -> None:
         raw = _wrap("learner", body)
         assert isinstance(wire.parse_learner_message(raw), wire.SplitChunk) is split_here
         assert _same_as_protobuf("learner", raw)[0] == "chunk"
+
+
+# -- chunks framed once, when encoded ------------------------------------------------------------
+
+
+@SETTINGS
+@given(chunk=chunks)
+def test_a_framed_chunk_is_written_as_the_same_bytes_without_another_copy(chunk: Chunk) -> None:
+    framed = wire.frame_chunks([chunk])[0]
+    assert (framed.transfer_id, framed.index, bytes(framed.data), framed.crc32c, framed.header) == (
+        chunk.transfer_id, chunk.index, bytes(chunk.data), chunk.crc32c, chunk.header)
+    for kind, (serialize, _, _, _) in KINDS.items():
+        raw = serialize(framed)
+        assert raw == serialize(chunk), kind
+        if kind != "fetch":  # the Sync stream's messages: the frame itself, as it is
+            assert raw is framed.framed()
+
+
+def test_a_framed_chunk_changed_afterwards_is_written_anew() -> None:
+    chunk = wire.frame_chunks(split(HEADER, bytes(range(200)), transfer_id=5, max_chunk_bytes=64))[0]
+    changes = {"data": b"other data", "crc32c": 77, "transfer_id": 6, "index": 1, "header": None}
+    for field, value in changes.items():
+        changed = dataclasses.replace(chunk, **{field: value})
+        assert changed.framed() is None, field
+        for kind, (serialize, parse, _, convert) in KINDS.items():
+            back = convert(parse(serialize(changed)))
+            assert getattr(back, field) == value or bytes(getattr(back, field)) == value, (kind, field)
+    with_crc = chunk.with_crc32c()
+    assert with_crc.framed() is None and with_crc.crc32c != 0
+    back = wire.learner_message_from_pb(wire.parse_learner_message(wire.serialize_learner_message(with_crc)))
+    assert back.crc32c == with_crc.crc32c
+
+
+@pytest.mark.parametrize("kind", ["learner", "synchronizer"])
+def test_a_received_chunk_is_relayed_as_the_message_it_came_in(kind: str) -> None:
+    serialize, parse, _, convert = KINDS[kind]
+    raw = serialize(Chunk(9, 0, bytes(range(100)), 0, HEADER))
+    received = convert(parse(raw))
+    assert received.framed() is raw
+    for other, (send, _, _, _) in KINDS.items():  # either direction of the Sync stream
+        out = send(received)
+        assert out == (raw if other != "fetch" else wire.serialize_fragment_chunk(Chunk(9, 0, bytes(range(100)), 0,
+                                                                                         HEADER)))
+    fetched = wire.chunk_from_pb(wire.parse_fragment_chunk(wire.serialize_fragment_chunk(received)))
+    assert fetched.frame is None  # a bare FragmentChunk is no Sync-stream message
+
+
+def test_fp32_values_framed_when_encoded_are_copied_once_and_may_change_afterwards() -> None:
+    values = torch.randn(5000)
+    layout = partition_tensors({"w": values}, 1)
+    kept = values.clone()
+    chunks = encode_fragment(values, layout[0], codec=make_codec("fp32"), kind="contribution", version=0,
+                             transfer_id=1, max_chunk_bytes=4096, frame=wire.frame_chunks)
+    assert all(c.framed() is not None for c in chunks)
+    values.fill_(7.0)  # the caller's buffer moves on; the chunks hold their own copy
+    reassembler = Reassembler(max_chunk_bytes=4096)
+    transfer = None
+    for c in chunks:
+        transfer = reassembler.feed(wire.learner_message_from_pb(
+            wire.parse_learner_message(wire.serialize_learner_message(c))))
+    assert transfer is not None
+    assert torch.equal(decode_fragment(transfer, layout), kept)

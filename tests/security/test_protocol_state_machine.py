@@ -7,7 +7,7 @@ real gRPC on 127.0.0.1:0, served from a background event loop) through random se
   future base, unknown fragment, other layout, zero tokens/steps, genesis or global transfers from
   a learner, undecodable or oversized payloads, a bad int8 block size): each is answered with a
   REJECTED result carrying the expected reason, and the stream goes on;
-- framing faults (bad CRC or digest, missing/repeated header, reordered, duplicated, interleaved
+- framing faults (corrupt data or a bad digest, missing/repeated header, reordered, duplicated, interleaved
   and restarted chunks, oversized chunks, inconsistent chunk counts and sizes, Hello twice,
   empty messages, unknown enum values, negative dimensions, a message over the gRPC limit): each
   ends only the offending stream, with the expected status; bytes that are not protobuf end it
@@ -96,7 +96,6 @@ CONTENT_REASONS = {
 
 FRAMING_CODES = {
     "chunk_data_corrupt": grpc.StatusCode.DATA_LOSS,
-    "chunk_crc_wrong": grpc.StatusCode.DATA_LOSS,
     "payload_digest_wrong": grpc.StatusCode.DATA_LOSS,
     "missing_header": grpc.StatusCode.INVALID_ARGUMENT,
     "reordered": grpc.StatusCode.INVALID_ARGUMENT,
@@ -158,10 +157,8 @@ def _header(chunks: list[Chunk], **fields) -> list[Chunk]:
 def mangle(case: str, chunks: list[Chunk], k: int) -> list[Chunk]:
     """The transfer as sent for a framing fault at chunk ``k`` (1 <= k < len(chunks)-1), ending
     at the fault: a client that writes on after the server ended the call only learns INTERNAL."""
-    if case == "chunk_data_corrupt":
-        return [*chunks[:k], dataclasses.replace(chunks[k], data=_flip(chunks[k].data, k))]
-    if case == "chunk_crc_wrong":
-        return [*chunks[:k], dataclasses.replace(chunks[k], crc32c=chunks[k].crc32c ^ 1)]
+    if case == "chunk_data_corrupt":  # found by the payload digest once the transfer is complete
+        return [*chunks[:k], dataclasses.replace(chunks[k], data=_flip(chunks[k].data, k)), *chunks[k + 1:]]
     if case == "payload_digest_wrong":
         return _header(chunks, digest=_flip(chunks[0].header.digest, k))
     if case == "missing_header":

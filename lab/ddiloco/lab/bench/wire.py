@@ -2,10 +2,13 @@
 against raw TCP on loopback, measured in the same run.
 
 What is timed is the protocol's own path, not a toy: the fragment is chunked with the protocol's
-framing (``encode_fragment``: header, CRC-32C per chunk, payload digest), serialized and parsed
-by ``ddiloco.protocol.wire`` (chunk data is never copied into or out of a protobuf message), sent on a ``Sync`` bidirectional stream of a ``grpc.aio``
+framing (``encode_fragment``: header, payload digest, each chunk framed as its wire message
+when encoded, with ``digest_only`` peers: no CRC-32C per chunk), serialized and parsed by
+``ddiloco.protocol.wire`` (chunk data is never copied into or out of a protobuf message), sent on a ``Sync`` bidirectional stream of a ``grpc.aio``
 server with the synchronizer's channel options, reassembled and verified there
-(``Reassembler``), sent back the same way and verified again, with the learner's channel
+(``Reassembler``: the digest, chunk by chunk; the echo does not decode, so it never joins the
+payload), sent back as the messages it came in (a relay's zero-copy path; the synchronizer
+sends a global version's messages framed once when it was encoded) and verified again, with the learner's channel
 options on the client. "codec on" adds bf16_zstd encoding before the send and decoding after the
 round trip (what a contribution and a merged fragment cost end to end); "codec off" sends fp32.
 
@@ -273,7 +276,8 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
 
     def make_chunks() -> list[Any]:
         chunks = encode_fragment(values, frag, codec=codec, kind="contribution", version=0, transfer_id=1,
-                                 sequence=1, tokens=1, steps=1, max_chunk_bytes=max_chunk_bytes)
+                                 sequence=1, tokens=1, steps=1, max_chunk_bytes=max_chunk_bytes,
+                                 frame=wire.frame_chunks)
         sizes.append(sum(len(c.data) for c in chunks))
         return chunks
 

@@ -2,9 +2,12 @@
 
 gRPC refuses messages above its configured maximum (4 MiB by default), and one huge message
 holds the whole payload in memory twice on each side, so every payload travels as chunks of at
-most ``max_chunk_bytes``. Each chunk carries a CRC-32C of its bytes (corruption is pinned to a
-chunk); the first chunk carries the transfer header, including an xxh3-128 digest of the whole
-payload that catches what per-chunk checks cannot (a chunk from another transfer, a lost tail).
+most ``max_chunk_bytes``. The first chunk carries the transfer header, including an xxh3-128
+digest of the whole payload: the one integrity check of a transfer, computed once when it is cut
+and once, chunk by chunk as they arrive, when it is reassembled. Chunks may also carry a CRC-32C
+of their bytes, for receivers of older versions that check every chunk: ``split`` leaves it unset
+(0) and ``Chunk.with_crc32c`` fills it in for a peer that did not say it checks by digest alone
+(``digest_only`` on the wire). This version's ``Reassembler`` does not read it.
 
 Reassembly is strict and typed: a missing, duplicated, reordered, oversized or corrupt chunk
 raises the matching ``ChunkError`` subclass and the partial transfer is discarded; the caller
@@ -14,6 +17,7 @@ decides whether the stream survives. Nothing half-received is ever handed on.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import crc32c as _crc32c
@@ -71,30 +75,93 @@ class TransferHeader:
             raise HeaderError(f"unknown payload kind {self.kind!r}")
 
 
+@dataclass(frozen=True, eq=False)
+class Frame:
+    """A chunk already written as a message of the wire, by the wire layer
+    (``ddiloco.protocol.wire.frame_chunks``): the chunk's data is a view into ``message``, so the
+    bytes are copied once, when framed, and not again when sent. Valid only for the chunk it was
+    built from (``Chunk.framed``): a chunk changed with ``dataclasses.replace`` is serialized anew."""
+
+    message: bytes
+    of: tuple[int, int, int, TransferHeader | None, bytes | memoryview]
+    """The chunk's transfer id, index, CRC-32C, header and data object when it was framed."""
+
+
 @dataclass(frozen=True)
 class Chunk:
     transfer_id: int
     index: int
     data: bytes | memoryview
     crc32c: int
+    """CRC-32C of ``data``, or 0 when unset (see the module's docstring)."""
     header: TransferHeader | None = None
+    frame: Frame | None = field(default=None, compare=False, repr=False)
+    """The chunk as a wire message, when it was framed when encoded."""
+
+    def with_crc32c(self) -> Chunk:
+        """This chunk with its CRC-32C filled in, for a receiver that checks every chunk."""
+        return replace(self, crc32c=crc32c(self.data), frame=None)
+
+    def framed(self) -> bytes | None:
+        """The wire message framed for exactly this chunk, if there is one."""
+        frame = self.frame
+        if frame is None:
+            return None
+        transfer_id, index, crc, header, data = frame.of
+        if (transfer_id, index, crc) != (self.transfer_id, self.index, self.crc32c) or (
+                header is not self.header or data is not self.data):
+            return None
+        return frame.message
 
 
-@dataclass(frozen=True)
 class Transfer:
-    """A complete, verified transfer."""
+    """A complete, verified transfer.
 
-    header: TransferHeader
-    payload: bytes | bytearray = field(hash=False)
-    """The payload; reassembly hands each transfer a bytearray of its own, which ``Fp32Codec``
-    takes over instead of copying: once decoded, the payload is the decoded tensor's memory and is
-    not to be read again (an in-place change to the tensor changes it)."""
-    received_at: float = field(default_factory=time.monotonic)
+    Reassembly keeps the received chunks as they arrived; ``payload`` joins them on first use, into
+    a bytearray that belongs to the transfer and that ``Fp32Codec`` takes over instead of copying:
+    once decoded, the payload is the decoded tensor's memory and is not to be read again (an
+    in-place change to the tensor changes it). A transfer refused on its header alone, or relayed
+    without decoding, is never joined."""
+
+    __slots__ = ("_body", "header", "received_at")
+
+    def __init__(self, header: TransferHeader, payload: bytes | bytearray | Sequence[bytes | memoryview],
+                 received_at: float | None = None) -> None:
+        self.header = header
+        self._body: bytes | bytearray | tuple[bytes | memoryview, ...] = (
+            payload if isinstance(payload, bytes | bytearray) else tuple(payload))
+        self.received_at = time.monotonic() if received_at is None else received_at
+
+    @property
+    def payload(self) -> bytes | bytearray:
+        body = self._body
+        if isinstance(body, tuple):
+            body = self._body = bytearray().join(body)
+        return body
+
+    @property
+    def size(self) -> int:
+        """The payload's length in bytes (without joining it)."""
+        body = self._body
+        return sum(len(p) for p in body) if isinstance(body, tuple) else len(body)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Transfer):
+            return NotImplemented
+        return (self.header, self.received_at, bytes(self.payload)) == (
+            other.header, other.received_at, bytes(other.payload))
+
+    def __hash__(self) -> int:
+        return hash((self.header, self.received_at))
+
+    def __repr__(self) -> str:
+        return f"Transfer(header={self.header!r}, size={self.size}, received_at={self.received_at!r})"
 
 
-def split(header: TransferHeader, payload: bytes, *, transfer_id: int,
+def split(header: TransferHeader, payload: bytes | memoryview, *, transfer_id: int,
           max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> list[Chunk]:
-    """Cut ``payload`` into chunks; fills the header's size, count and digest fields."""
+    """Cut ``payload`` into chunks; fills the header's size, count and digest fields. The chunks'
+    CRC-32C is left unset (``Chunk.with_crc32c`` adds it where a peer needs it)."""
     if max_chunk_bytes < 1:
         raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
     view = memoryview(payload)
@@ -105,12 +172,14 @@ def split(header: TransferHeader, payload: bytes, *, transfer_id: int,
     chunks = []
     for i in range(count):
         part = view[i * max_chunk_bytes:(i + 1) * max_chunk_bytes]
-        chunks.append(Chunk(transfer_id, i, part, crc32c(part), full if i == 0 else None))
+        chunks.append(Chunk(transfer_id, i, part, 0, full if i == 0 else None))
     return chunks
 
 
 class Reassembler:
-    """Rebuilds transfers from the chunks of one stream, in order, verifying everything."""
+    """Rebuilds transfers from the chunks of one stream, in order, verifying everything: order,
+    sizes, and the payload digest, hashed chunk by chunk as they arrive (a chunk's CRC-32C, which
+    older senders add, is not read: the digest covers every byte it would)."""
 
     def __init__(self, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  max_payload_bytes: int = 1 << 34) -> None:
@@ -123,6 +192,7 @@ class Reassembler:
         """The chunks received so far, joined once when the transfer completes (appending to one
         growing buffer and copying it out cost 73 ms for 64 MiB where one join costs 41)."""
         self._size = 0
+        self._hash = xxhash.xxh3_128()
 
     @property
     def in_progress(self) -> TransferHeader | None:
@@ -161,25 +231,23 @@ class Reassembler:
                 f"expected chunk {self._next} of transfer {chunk.transfer_id}, got {chunk.index}"))
         header = self._header
         assert header is not None
-        if crc32c(chunk.data) != chunk.crc32c:
-            raise self._fail(ChecksumError(
-                f"chunk {chunk.index} of transfer {chunk.transfer_id} fails its CRC-32C"))
         if self._size + len(chunk.data) > header.encoded_bytes:
             raise self._fail(OversizedChunkError(
                 f"transfer {chunk.transfer_id} carries more than its declared {header.encoded_bytes} bytes"))
         self._parts.append(chunk.data)
+        self._hash.update(chunk.data)
         self._size += len(chunk.data)
         self._next += 1
         if self._next < header.chunk_count:
             return None
-        payload = bytearray().join(self._parts)  # the transfer's own: a decoder may take it over
+        size, parts, got = self._size, self._parts, self._hash.digest()
         self._header, self._next, self._parts, self._size = None, 0, [], 0
-        if len(payload) != header.encoded_bytes:
+        if size != header.encoded_bytes:
             raise MissingChunkError(
-                f"transfer {chunk.transfer_id} has {len(payload)} of {header.encoded_bytes} declared bytes")
-        if digest(payload) != header.digest:
+                f"transfer {chunk.transfer_id} has {size} of {header.encoded_bytes} declared bytes")
+        if got != header.digest:
             raise ChecksumError(f"transfer {chunk.transfer_id} fails its payload digest")
-        return Transfer(header, payload)
+        return Transfer(header, parts)  # joined when its payload is first read
 
     def _start(self, chunk: Chunk) -> None:
         header = chunk.header
@@ -201,6 +269,7 @@ class Reassembler:
         self._transfer_id = chunk.transfer_id
         self._next = 0
         self._parts, self._size = [], 0
+        self._hash.reset()
 
     def finish(self) -> None:
         """The stream ended: raise ``MissingChunkError`` if a transfer was cut short."""

@@ -79,6 +79,16 @@ class Fp32Codec:
     def encode(self, values: torch.Tensor) -> bytes:
         return flat_fp32(values).numpy().astype("<f4", copy=False).tobytes()
 
+    def borrow(self, values: torch.Tensor) -> memoryview | None:
+        """The encoded bytes without a copy: a view of ``values``' own memory (None where that is
+        not possible: a big-endian machine, or values that are not flat contiguous fp32 on the
+        CPU). Valid only while ``values`` is unchanged: for a caller that copies the bytes at once
+        (``encode_fragment`` with ``frame``)."""
+        if sys.byteorder != "little" or values.dtype != torch.float32 or values.device.type != "cpu" or (
+                not values.is_contiguous()) or values.requires_grad:
+            return None
+        return memoryview(values.detach().reshape(-1).numpy().data).cast("B")
+
     def decode(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor:
         """The values as a tensor of their own. A ``bytearray`` payload is taken over instead of
         copied (on a little-endian machine): the tensor shares its memory, so the caller must not

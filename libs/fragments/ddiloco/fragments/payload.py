@@ -9,10 +9,12 @@ here ever reaches the global model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ddiloco.fragments.chunking import DEFAULT_MAX_CHUNK_BYTES, Chunk, Transfer, TransferHeader, split
-from ddiloco.fragments.codec import Codec, Int8BlockCodec, make_codec
+from ddiloco.fragments.codec import Codec, Fp32Codec, Int8BlockCodec, make_codec
 from ddiloco.fragments.errors import (
     CodecError,
     DTypeMismatchError,
@@ -29,10 +31,14 @@ def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, k
                     transfer_id: int, layout_hash: str = "", sequence: int = 0, tokens: int = 0,
                     steps: int = 0, learner_step: int = 0, round: int = 0,
                     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                    payload: bytes | None = None) -> list[Chunk]:
+                    payload: bytes | None = None,
+                    frame: Callable[[list[Chunk]], list[Chunk]] | None = None) -> list[Chunk]:
     """Encode ``values`` (flat fp32, the fragment's concatenated tensors) as a chunked transfer.
 
     ``payload`` may be passed when the caller already encoded the values (error feedback does).
+    ``frame`` (``ddiloco.protocol.wire.frame_chunks``) writes the chunks as wire messages before
+    this returns; the fp32 codec then reads the values' memory in place, so each byte is copied
+    once, into its message, and ``values`` may change as soon as this returns.
     """
     if values.numel() != fragment.numel:
         raise ShapeMismatchError(
@@ -43,8 +49,13 @@ def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, k
         block_size=codec.block_size if isinstance(codec, Int8BlockCodec) else 0,
         layout_hash=layout_hash, learner_step=learner_step, round=round,
     )
-    data = payload if payload is not None else codec.encode(values)
-    return split(header, data, transfer_id=transfer_id, max_chunk_bytes=max_chunk_bytes)
+    data: bytes | memoryview | None = payload
+    if data is None and frame is not None and isinstance(codec, Fp32Codec):
+        data = codec.borrow(values)  # copied into the frames below, before this returns
+    if data is None:
+        data = codec.encode(values)
+    chunks = split(header, data, transfer_id=transfer_id, max_chunk_bytes=max_chunk_bytes)
+    return frame(chunks) if frame is not None else chunks
 
 
 def check_header(header: TransferHeader, layout: FragmentLayout) -> Fragment:
@@ -79,9 +90,9 @@ def decode_fragment(transfer: Transfer, layout: FragmentLayout, *, zstd_threads:
     except ValueError as exc:
         raise CodecError(f"fragment {fragment.index}: bad codec parameters: {exc}") from exc
     bound = codec.max_encoded_bytes(fragment.numel)
-    if len(transfer.payload) > bound:
+    if transfer.size > bound:
         raise OversizedChunkError(
-            f"fragment {fragment.index}: {len(transfer.payload)} payload bytes exceed the {header.codec} "
+            f"fragment {fragment.index}: {transfer.size} payload bytes exceed the {header.codec} "
             f"bound of {bound}")
     try:
         values = codec.decode(transfer.payload, fragment.numel)

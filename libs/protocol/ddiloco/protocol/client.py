@@ -84,6 +84,9 @@ class SyncStream:
         self._reassembler = Reassembler(max_chunk_bytes=max_chunk_bytes, max_payload_bytes=1 << 34)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.peer_digest_only = False
+        """Whether the synchronizer said it checks transfers by digest alone (its Welcome): until
+        then, and for an older one, every chunk sent carries its CRC-32C."""
 
     async def open(self, hello: wire.Hello, timeout_s: float = 30.0) -> wire.Welcome:
         self._call = self.stub.Sync(metadata=bearer_metadata(self.token))
@@ -91,6 +94,7 @@ class SyncStream:
         first = await self._read(timeout_s)
         if not isinstance(first, wire.Welcome):
             raise StreamClosed(None, f"expected Welcome, got {type(first).__name__}")
+        self.peer_digest_only = first.digest_only
         return first
 
     async def _write(self, msg: Any) -> None:
@@ -123,7 +127,8 @@ class SyncStream:
     async def send_transfer(self, chunks: list[Chunk]) -> None:
         async with self._transfer_lock:
             for chunk in chunks:
-                await self._write(chunk)  # serialized by the stub without a protobuf copy
+                # serialized by the stub without a protobuf copy
+                await self._write(chunk if self.peer_digest_only else chunk.with_crc32c())
                 self.bytes_sent += len(chunk.data)
 
     async def send(self, message: wire.Heartbeat | wire.Goodbye) -> None:

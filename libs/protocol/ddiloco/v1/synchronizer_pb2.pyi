@@ -194,7 +194,7 @@ class FragmentVersion(_message.Message):
     def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("learner_id", "model_fingerprint", "layout_hash", "codecs", "protocol", "held", "software_version", "incarnation", "labels")
+    __slots__ = ("learner_id", "model_fingerprint", "layout_hash", "codecs", "protocol", "held", "software_version", "incarnation", "labels", "digest_only")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class Hello(_message.Message):
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ONLY_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     model_fingerprint: str
     layout_hash: str
@@ -220,7 +221,8 @@ class Hello(_message.Message):
     software_version: str
     incarnation: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, learner_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_hash: _Optional[str] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., held: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., software_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    digest_only: bool
+    def __init__(self, learner_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_hash: _Optional[str] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., held: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., software_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., digest_only: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("step", "tokens_total", "tokens_per_s", "step_time_s", "sent_at_unix", "training_done")
@@ -257,7 +259,7 @@ class LearnerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., chunk: _Optional[_Union[FragmentChunk, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("synchronizer_id", "protocol", "versions", "state", "heartbeat_interval_s", "shard_index", "shard_count", "fleet_step")
+    __slots__ = ("synchronizer_id", "protocol", "versions", "state", "heartbeat_interval_s", "shard_index", "shard_count", "fleet_step", "digest_only")
     SYNCHRONIZER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +268,7 @@ class Welcome(_message.Message):
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     FLEET_STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ONLY_FIELD_NUMBER: _ClassVar[int]
     synchronizer_id: str
     protocol: ProtocolParams
     versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
@@ -274,7 +277,8 @@ class Welcome(_message.Message):
     shard_index: int
     shard_count: int
     fleet_step: int
-    def __init__(self, synchronizer_id: _Optional[str] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., state: _Optional[_Union[StateStatus, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., fleet_step: _Optional[int] = ...) -> None: ...
+    digest_only: bool
+    def __init__(self, synchronizer_id: _Optional[str] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., state: _Optional[_Union[StateStatus, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., fleet_step: _Optional[int] = ..., digest_only: _Optional[bool] = ...) -> None: ...
 
 class ContributionResult(_message.Message):
     __slots__ = ("sequence", "fragment_id", "outcome", "version", "reason", "detail", "weight", "staleness")
@@ -341,14 +345,16 @@ class SynchronizerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., chunk: _Optional[_Union[FragmentChunk, _Mapping]] = ..., result: _Optional[_Union[ContributionResult, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., request: _Optional[_Union[FragmentRequest, _Mapping]] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment_ids", "codec")
+    __slots__ = ("learner_id", "fragment_ids", "codec", "digest_only")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ONLY_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment_ids: _containers.RepeatedScalarFieldContainer[int]
     codec: Codec
-    def __init__(self, learner_id: _Optional[str] = ..., fragment_ids: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+    digest_only: bool
+    def __init__(self, learner_id: _Optional[str] = ..., fragment_ids: _Optional[_Iterable[int]] = ..., codec: _Optional[_Union[Codec, str]] = ..., digest_only: _Optional[bool] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

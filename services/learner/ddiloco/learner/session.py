@@ -296,7 +296,7 @@ class Link:
                 chunks = await asyncio.to_thread(
                     encode_fragment, values[frag.index], frag, codec=make_codec("fp32"), kind="genesis", version=0,
                     transfer_id=self._transfer_id, layout_hash=self.layout.fingerprint,
-                    max_chunk_bytes=self.cfg.protocol.max_chunk_bytes)
+                    max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, frame=wire.frame_chunks)
                 await stream.send_transfer(chunks)
             self.joined = True
             self.join.genesis = True
@@ -357,11 +357,13 @@ class Link:
                 out.payload = await asyncio.to_thread(self._encode, out)
             frag = self.layout[out.fragment]
             self._transfer_id += 1
-            chunks = encode_fragment(out.delta, frag, codec=self.codec, kind="contribution",
-                                     version=out.base_version, transfer_id=self._transfer_id,
-                                     layout_hash=self.layout.fingerprint, sequence=out.sequence, tokens=out.tokens,
-                                     steps=out.steps, learner_step=out.learner_step, round=out.round,
-                                     max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload)
+            # the digest and the one copy into the wire messages, off the event loop
+            chunks = await asyncio.to_thread(
+                encode_fragment, out.delta, frag, codec=self.codec, kind="contribution",
+                version=out.base_version, transfer_id=self._transfer_id, layout_hash=self.layout.fingerprint,
+                sequence=out.sequence, tokens=out.tokens, steps=out.steps, learner_step=out.learner_step,
+                round=out.round, max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload,
+                frame=wire.frame_chunks)
             await stream.send_transfer(chunks)
             self.bytes_sent += len(out.payload)
 

@@ -17,6 +17,7 @@ import torch
 from ddiloco.fragments.codec import Codec
 from ddiloco.fragments.partition import Fragment
 from ddiloco.fragments.payload import encode_fragment
+from ddiloco.protocol import wire
 from ddiloco.synchronizer.broadcast import GlobalTransfer
 from ddiloco.synchronizer.global_fragment import GlobalFragment
 from ddiloco.synchronizer.membership import Membership
@@ -39,7 +40,7 @@ class Publisher:
         self._transfer_id += 1
         chunks = encode_fragment(params, spec, codec=self.codec, kind="global", version=version,
                                  transfer_id=self._transfer_id, layout_hash=self.layout_hash,
-                                 max_chunk_bytes=self.max_chunk_bytes)
+                                 max_chunk_bytes=self.max_chunk_bytes, frame=wire.frame_chunks)
         return GlobalTransfer(spec.index, version, tuple(chunks))
 
     def publish(self, transfer: GlobalTransfer) -> None:

@@ -212,7 +212,8 @@ class SynchronizerServicer(wire.SynchronizerServicer):
                 if isinstance(item, GlobalTransfer):
                     for chunk in item.chunks:
                         self.metrics.sent(len(chunk.data))
-                        yield chunk  # serialized without a protobuf copy
+                        # serialized without a protobuf copy; an older learner checks every chunk's CRC
+                        yield chunk if hello.digest_only else chunk.with_crc32c()
                 else:
                     yield wire.synchronizer_message_to_pb(item)
         finally:
@@ -298,7 +299,7 @@ class SynchronizerServicer(wire.SynchronizerServicer):
         for transfer in transfers:
             for chunk in transfer.chunks:
                 self.metrics.sent(len(chunk.data))
-                yield chunk
+                yield chunk if req.digest_only else chunk.with_crc32c()
 
     async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
         denied = self.gate.check_status(self._identities(context))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ddiloco.fragments.chunking import Chunk, TransferHeader
+from ddiloco.fragments.chunking import Chunk, Frame, TransferHeader
 from ddiloco.fragments.errors import CodecError, HeaderError
 from ddiloco.fragments.partition import TensorSpec
 from ddiloco.protocol.wire.messages import (
@@ -141,6 +141,8 @@ class SplitChunk:
 
     rest: pb.FragmentChunk
     data: memoryview
+    frame: bytes | None = None
+    """The received Sync-stream message, when it holds this chunk and nothing else."""
 
 
 def chunk_to_pb(c: Chunk) -> pb.FragmentChunk:
@@ -159,13 +161,17 @@ def _fill_chunk(msg: pb.FragmentChunk, c: Chunk) -> pb.FragmentChunk:
 
 
 def chunk_from_pb(m: pb.FragmentChunk | SplitChunk) -> Chunk:
+    frame = None
     if isinstance(m, SplitChunk):
         data: bytes | memoryview = m.data
-        m = m.rest
+        frame, m = m.frame, m.rest
     else:
         data = m.data
     header = header_from_pb(m.header) if m.HasField("header") else None
-    return Chunk(m.transfer_id, m.index, data, m.crc32c, header)
+    if frame is None:
+        return Chunk(m.transfer_id, m.index, data, m.crc32c, header)
+    return Chunk(m.transfer_id, m.index, data, m.crc32c, header,
+                 Frame(frame, (m.transfer_id, m.index, m.crc32c, header, data)))
 
 
 def learner_message_to_pb(msg: LearnerMessage) -> pb.LearnerMessage:
@@ -182,7 +188,7 @@ def learner_message_to_pb(msg: LearnerMessage) -> pb.LearnerMessage:
             learner_id=msg.learner_id, model_fingerprint=msg.model_fingerprint, layout_hash=msg.layout_hash,
             codecs=[codec_to_pb(c) for c in msg.codecs], protocol=protocol_to_pb(msg.protocol),
             held=_versions_to_pb(msg.held), software_version=msg.software_version,
-            incarnation=msg.incarnation, labels=msg.labels))
+            incarnation=msg.incarnation, labels=msg.labels, digest_only=msg.digest_only))
     if isinstance(msg, Goodbye):
         return pb.LearnerMessage(goodbye=pb.Goodbye(reason=msg.reason))
     raise TypeError(f"not a learner message: {type(msg).__name__}")
@@ -203,7 +209,8 @@ def learner_message_from_pb(m: pb.LearnerMessage | SplitChunk) -> LearnerMessage
         return Hello(learner_id=h.learner_id, model_fingerprint=h.model_fingerprint, layout_hash=h.layout_hash,
                      codecs=tuple(_CODECS_BY_VALUE[c] for c in h.codecs if c in _CODECS_BY_VALUE),
                      protocol=protocol_from_pb(h.protocol), held=_versions_from_pb(h.held),
-                     software_version=h.software_version, incarnation=h.incarnation, labels=dict(h.labels))
+                     software_version=h.software_version, incarnation=h.incarnation, labels=dict(h.labels),
+                     digest_only=h.digest_only)
     if body == "goodbye":
         return Goodbye(reason=m.goodbye.reason)
     raise HeaderError("empty learner message")
@@ -224,7 +231,7 @@ def synchronizer_message_to_pb(msg: SynchronizerMessage) -> pb.SynchronizerMessa
             synchronizer_id=msg.synchronizer_id, protocol=protocol_to_pb(msg.protocol),
             versions=_versions_to_pb(msg.versions), state=_STATES[msg.state],
             heartbeat_interval_s=msg.heartbeat_interval_s, shard_index=msg.shard_index,
-            shard_count=msg.shard_count, fleet_step=msg.fleet_step))
+            shard_count=msg.shard_count, fleet_step=msg.fleet_step, digest_only=msg.digest_only))
     if isinstance(msg, Resync):
         return pb.SynchronizerMessage(resync=pb.Resync(
             fragment_ids=list(msg.fragment_ids), reason=_reason_value(msg.reason) if msg.reason else 0,
@@ -254,7 +261,8 @@ def synchronizer_message_from_pb(m: pb.SynchronizerMessage | SplitChunk) -> Sync
         return Welcome(synchronizer_id=w.synchronizer_id, protocol=protocol_from_pb(w.protocol),
                        state=_STATES_BY_VALUE.get(w.state, "genesis_pending"),
                        versions=_versions_from_pb(w.versions), heartbeat_interval_s=w.heartbeat_interval_s,
-                       shard_index=w.shard_index, shard_count=w.shard_count or 1, fleet_step=w.fleet_step)
+                       shard_index=w.shard_index, shard_count=w.shard_count or 1, fleet_step=w.fleet_step,
+                       digest_only=w.digest_only)
     if body == "resync":
         r = m.resync
         return Resync(fragment_ids=tuple(r.fragment_ids), reason=_reason_name(r.reason) if r.reason else "",
@@ -269,12 +277,12 @@ def synchronizer_message_from_pb(m: pb.SynchronizerMessage | SplitChunk) -> Sync
 
 def fetch_request_to_pb(r: FetchStateRequest) -> pb.FetchStateRequest:
     return pb.FetchStateRequest(learner_id=r.learner_id, fragment_ids=list(r.fragment_ids),
-                                codec=codec_to_pb(r.codec) if r.codec else 0)
+                                codec=codec_to_pb(r.codec) if r.codec else 0, digest_only=r.digest_only)
 
 
 def fetch_request_from_pb(m: pb.FetchStateRequest) -> FetchStateRequest:
     return FetchStateRequest(learner_id=m.learner_id, fragment_ids=tuple(m.fragment_ids),
-                             codec=_CODECS_BY_VALUE.get(m.codec, ""))
+                             codec=_CODECS_BY_VALUE.get(m.codec, ""), digest_only=m.digest_only)
 
 
 def status_request_pb() -> pb.GetStatusRequest:

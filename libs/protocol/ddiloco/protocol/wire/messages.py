@@ -45,6 +45,9 @@ class Hello:
     software_version: str = ""
     incarnation: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    digest_only: bool = True
+    """The learner checks received transfers by their payload digest alone (chunks to it need no
+    CRC-32C); False is what an older learner's Hello reads as."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +75,8 @@ class Welcome:
     shard_index: int = 0
     shard_count: int = 1
     fleet_step: int = 0
+    digest_only: bool = True
+    """The synchronizer checks received transfers by their payload digest alone (see Hello)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +116,8 @@ class FetchStateRequest:
     learner_id: str
     fragment_ids: tuple[int, ...] = ()
     codec: str = ""
+    digest_only: bool = True
+    """The requester checks the transfers by their payload digest alone (see Hello)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from ddiloco.fragments.chunking import Chunk
+from ddiloco.fragments.chunking import Chunk, Frame
 from ddiloco.protocol.wire.convert import SplitChunk, header_to_pb
 from ddiloco.protocol.wire.framing import field_key, find_bytes_field, unwrap, varint
 from ddiloco.v1 import synchronizer_pb2 as pb
@@ -36,8 +36,9 @@ _CHUNK_KEYS: dict[type[Message], bytes] = {
 }
 
 
-def _chunk_parts(c: Chunk) -> tuple[list[bytes | memoryview], int]:
-    """The serialized FragmentChunk of ``c`` as parts to join, and its length."""
+def _chunk_parts(c: Chunk) -> tuple[list[bytes | memoryview], int, int]:
+    """The serialized FragmentChunk of ``c`` as parts to join, its length, and where its data
+    starts in it."""
     data = c.data
     if not isinstance(data, bytes):  # lengths count bytes, whatever the view's format
         view = memoryview(data)
@@ -48,16 +49,45 @@ def _chunk_parts(c: Chunk) -> tuple[list[bytes | memoryview], int]:
     parts: list[bytes | memoryview] = [before.SerializeToString()]
     if len(data):
         parts += [_DATA_KEY + varint(len(data)), data]
+    data_at = sum(len(p) for p in parts) - len(data)
     parts.append(pb.FragmentChunk(crc32c=c.crc32c).SerializeToString())
-    return parts, sum(len(p) for p in parts)
+    return parts, sum(len(p) for p in parts), data_at
+
+
+# A chunk is field ``chunk`` of the Sync stream's messages in both directions, with the same
+# number: one framed message serves a learner's chunk and a synchronizer's.
+_SYNC_CHUNK_KEY = _CHUNK_KEYS[pb.LearnerMessage]
+if _CHUNK_KEYS[pb.SynchronizerMessage] != _SYNC_CHUNK_KEY:  # pragma: no cover - the .proto's promise
+    raise ImportError("LearnerMessage.chunk and SynchronizerMessage.chunk must have the same field number")
 
 
 def _serialize_chunk(c: Chunk, outer: type[Message] | None) -> bytes:
     """``c`` as a FragmentChunk, or as the chunk of an ``outer`` message."""
-    parts, size = _chunk_parts(c)
+    if outer is not None and (framed := c.framed()) is not None:
+        return framed
+    parts, size, _ = _chunk_parts(c)
     if outer is not None:
         parts.insert(0, _CHUNK_KEYS[outer] + varint(size))
     return b"".join(parts)
+
+
+def frame_chunks(chunks: list[Chunk]) -> list[Chunk]:
+    """The chunks written now as Sync-stream messages, each one's data a view into its message.
+
+    Each byte is copied once, here (from a codec's output, or straight from a tensor's memory
+    that the caller may change afterwards), and not again when the chunk is written to a stream:
+    the serializer hands the message to gRPC as it is. A chunk changed afterwards
+    (``dataclasses.replace``, ``Chunk.with_crc32c``) or sent on FetchState is serialized anew."""
+    out = []
+    for c in chunks:
+        parts, size, data_at = _chunk_parts(c)
+        head = _SYNC_CHUNK_KEY + varint(size)
+        message = b"".join([head, *parts])
+        start, n = len(head) + data_at, len(parts[2]) if len(parts) == 4 else 0
+        data = memoryview(message)[start:start + n]
+        out.append(Chunk(c.transfer_id, c.index, data, c.crc32c, c.header,
+                         Frame(message, (c.transfer_id, c.index, c.crc32c, c.header, data))))
+    return out
 
 
 def _split_chunk(raw: bytes, start: int, outer: type[Message] | None) -> SplitChunk | None:
@@ -74,7 +104,9 @@ def _split_chunk(raw: bytes, start: int, outer: type[Message] | None) -> SplitCh
         parsed = pb.FragmentChunk.FromString(rest)
     else:
         parsed = outer.FromString(_CHUNK_KEYS[outer] + varint(len(rest)) + rest).chunk
-    return SplitChunk(parsed, memoryview(raw)[body:after])
+    # inside a Sync-stream message of nothing else (``_split_message``), the message as received is
+    # the chunk's frame: a relay sends it on as it is
+    return SplitChunk(parsed, memoryview(raw)[body:after], raw if outer is not None else None)
 
 
 def _split_message(raw: bytes, outer: type[Message]) -> SplitChunk | None:
