@@ -419,15 +419,18 @@ class DecoupledSync:
         if delta is None:
             self.heal([p], "non-finite outer gradient")
             return
-        t0 = time.perf_counter()
         if self.corrupted.is_set():  # fault injection: a hostile learner (its own model stays sound)
             delta = delta * self.cfg.corrupt_factor
         claimed = max(1, round(tokens * self.cfg.inflate_factor)) if self.inflated.is_set() else tokens
         seq = next(self.sequence)
-        self.comm.submit(Outgoing(p, seq, frag.version, claimed, steps, step, delta, round=round_no))
-        self.local.time("handoff", t0)
+        # Logged before the hand-off: once handed over, the communication thread may send it, and
+        # it may be merged (and answered) before this thread runs again; a "send" logged after it
+        # could then be missing from the log of a learner frozen or killed in between.
         self.events.emit(schema.SEND, step=step, fragment=p, sequence=seq, base_version=frag.version, tokens=claimed,
                          steps=steps, from_step=frag.window_start, to_step=step, round=round_no)
+        t0 = time.perf_counter()
+        self.comm.submit(Outgoing(p, seq, frag.version, claimed, steps, step, delta, round=round_no))
+        self.local.time("handoff", t0)
         frag.send(step, current, keep_values=self.cfg.apply_policy == "replay")
 
     def _apply_arrivals(self, step: int, *, wait: bool = True) -> float:
