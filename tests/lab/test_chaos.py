@@ -118,6 +118,21 @@ def test_mixed_plan(tmp_path):
     assert s["invariants"]["all_hold"], s["invariants"]
 
 
+def test_mixed_plan_with_the_communication_in_processes_of_their_own(tmp_path):
+    # learner.comm: process: the learner killed (its communication process goes with it), stopped
+    # (its communication process holds its event loops meanwhile), its link reset, the synchronizer
+    # killed; the same invariants as with the communication in a thread
+    plan = (FaultPlan().kill("learner-0", at_step=100, restart_after_s=2).stop("learner-1", at_step=150, duration_s=2)
+            .net("learner-2", "reset", at_step=200).kill_synchronizer(at_step=250, restart_after_s=1))
+    s = _chaos_run(tmp_path, plan, steps=1050, config=TINY.replace("learner: {", "learner: {comm: process, "))
+    assert s["invariants"]["all_hold"], s["invariants"]
+    starts = [e for e in load_jsonl(tmp_path / "run" / "learners" / "learner-0.jsonl") if e["event"] == "start"]
+    assert len(starts) == 2 and starts[0]["config"]["comm"] == "process"
+    for name in ("learner-1", "learner-2"):
+        events = load_jsonl(tmp_path / "run" / "learners" / f"{name}.jsonl")
+        assert not any(e["event"] == "comm_restart" for e in events), "no communication process died by itself"
+
+
 def test_no_fault_baseline_runs_after_the_chaos_run_and_is_reported(tmp_path):
     # learner-0 still trains 4 s after learner-1 resumes
     s = _chaos_run(tmp_path, FaultPlan().stop("learner-1", at_step=50, duration_s=1), learners=2, steps=300,

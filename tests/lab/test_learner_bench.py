@@ -54,7 +54,7 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys, monkey
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)  # refused here, before any re-run child
     work, out = tmp_path / "work", tmp_path / "learner.json"
     for args in (["--steps", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--d-model", "30", "--n-head", "4"],
-                 ["--overlap", "30", "--sync-every", "4"], ["--fragments", "500"]):
+                 ["--overlap", "30", "--sync-every", "4"], ["--fragments", "500"], ["--comm", "socket"]):
         with pytest.raises(SystemExit) as exit_info:
             learner_bench.main([*args, "--workdir", str(work), "--out", str(out)])
         err = capsys.readouterr().err
@@ -155,3 +155,16 @@ def test_a_failed_neighbour_check_ends_the_benchmark_with_a_message(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("ddiloco bench learner: the neighbour check's busy loop")
     assert "Traceback" not in proc.stderr and not out.exists()
     assert not (work / "logs" / "synchronizer.log").exists()  # no synchronizer was started
+
+
+def test_a_run_with_the_communication_in_a_process(tmp_path):
+    out = tmp_path / "learner.json"
+    proc = _bench("--json", "--out", str(out), "--d-model", "32", "--n-layer", "2", "--context", "32",
+                  "--batch-size", "4", "--steps", "16", "--warmup", "4", "--repeats", "1", "--fragments", "4",
+                  "--sync-every", "4", "--overlap", "1", "--threads", "1", "--comm", "process")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout)
+    assert printed["comm"] == "process" and math.isfinite(printed["overhead"])
+    counts = printed["counts"]
+    assert counts["sends"] > 0 and counts["timed_sends"] > 0 and counts["applies"] > 0
+    assert counts["encodes"] == counts["decodes"] == 0, "they run in the communication process, untimed"

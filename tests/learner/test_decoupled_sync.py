@@ -6,6 +6,7 @@ beside a single-process one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -82,7 +85,11 @@ def _train(sync: DecoupledSync, model: nn.Module, opt: torch.optim.Optimizer, st
     return losses
 
 
-def test_an_in_process_loop_joins_merges_heals_and_a_second_loop_gets_the_global_model(tmp_path):
+@contextlib.contextmanager
+def fleet(tmp_path: pathlib.Path, **settings: Any
+          ) -> Iterator[tuple[str, DecoupledSync, nn.Module, torch.optim.Optimizer, pathlib.Path]]:
+    """A synchronizer (quorum 1) and one learner ``loop-a`` on it (``settings``: more learner settings):
+    (the synchronizer's address, the learner, its model, its optimizer, its event log)."""
     cfg = tmp_path / "config.yaml"
     cfg.write_text(PROTOCOL)
     with synchronizer(tmp_path, "--config", str(cfg), "--quorum", "1") as target:
@@ -90,7 +97,12 @@ def test_an_in_process_loop_joins_merges_heals_and_a_second_loop_gets_the_global
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         log = tmp_path / "a.jsonl"
         sync = DecoupledSync(model, optimizer=opt, synchronizer=target, learner_id="loop-a", fragments=3, sync_every=4,
-                             event_log=str(log), join_timeout_s=60.0)
+                             event_log=str(log), join_timeout_s=60.0, **settings)
+        yield target, sync, model, opt, log
+
+
+def test_an_in_process_loop_joins_merges_heals_and_a_second_loop_gets_the_global_model(tmp_path):
+    with fleet(tmp_path) as (target, sync, model, opt, log):
         losses = _train(sync, model, opt, steps=40, seed=1, nan_at=20)
         events = _events(log)
         kinds = [e["event"] for e in events]

@@ -20,6 +20,10 @@ shows how much of the overhead is work competing for the same cores rather than 
 ``step()``: on one machine the synchronizer's merges run on the learner's cores, which a
 deployment does not do.
 
+``--comm process`` runs the learner with ``learner.comm: process``: its communication in a process
+of its own, whose CPU time is counted as this learner's; its encode and decode are not timed
+(they run there).
+
 ``--pin`` (Linux) takes that contention out: the training thread (and torch's threads) run on
 the first ``--threads`` CPUs, and every thread the synchronizer process and this learner's
 communication start (its event loop, gRPC's threads, codec workers) on the rest, read back and
@@ -83,6 +87,9 @@ def _comm_timing(sync: Any, times: dict[str, list[float]]) -> Iterator[None]:
     (``decode_fragment`` as the session module calls it), restored on exit."""
     from ddiloco.learner import session
 
+    if not hasattr(sync.comm, "lanes"):  # --comm process: they run in the communication process, untimed
+        yield
+        return
     for lane in sync.comm.lanes:
         lane.link._encode = _timed(lane.link._encode, times["encode"])
     original = session.decode_fragment
@@ -197,18 +204,22 @@ class Phase:
     """One timed phase: ``steps`` inner steps after ``warmup`` untimed ones, with the CPU time
     this process and the synchronizer's used meanwhile."""
 
-    def __init__(self, kind: str, repeat: int, steps: int, sync_pid: int) -> None:
-        self.kind, self.repeat, self.steps, self.sync_pid = kind, repeat, steps, sync_pid
+    def __init__(self, kind: str, repeat: int, steps: int, sync_pid: int, comm_pid: int | None = None) -> None:
+        self.kind, self.repeat, self.steps, self.sync_pid, self.comm_pid = kind, repeat, steps, sync_pid, comm_pid
         self.seconds = self.cpu_s = self.sync_cpu_s = 0.0
 
+    def _cpu(self) -> float:
+        """This process's CPU seconds, and its communication process's (``--comm process``)."""
+        return time.process_time() + (_proc_cpu_s(self.comm_pid) if self.comm_pid else 0.0)
+
     def __enter__(self) -> Phase:
-        self._t = (time.perf_counter(), time.process_time(), _proc_cpu_s(self.sync_pid))
+        self._t = (time.perf_counter(), self._cpu(), _proc_cpu_s(self.sync_pid))
         return self
 
     def __exit__(self, *exc: object) -> None:
         t, cpu, sync_cpu = self._t
         self.seconds = time.perf_counter() - t
-        self.cpu_s = time.process_time() - cpu
+        self.cpu_s = self._cpu() - cpu
         self.sync_cpu_s = _proc_cpu_s(self.sync_pid) - sync_cpu
 
     @property
@@ -280,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", type=int, help="protocol.overlap (default: the protocol's)")
     parser.add_argument("--mode", help="protocol.mode (default: the protocol's)")
     parser.add_argument("--codec", default=None, help="learner codec (default: the learner's)")
+    parser.add_argument("--comm", choices=("thread", "process"), default="thread",
+                        help="learner.comm: the communication in a thread of this process, or in a process of its "
+                        "own (its CPU is counted as this learner's)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the CPUs this process may use)")
     parser.add_argument("--pin", action="store_true", help="training on the first --threads CPUs (default: "
                         "all but one), the synchronizer and the communication threads on the rest (Linux)")
@@ -373,7 +387,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                                  synchronizer=cluster.target, learner_id=f"bench-{repeat}",
                                  steps=args.warmup + args.steps, join_timeout_s=120.0,
                                  model_ref=json.dumps({"bench": "learner", "model": model_fingerprint(model, model_cfg)}),
-                                 **({"codec": args.codec} if args.codec else {}))
+                                 comm=args.comm, **({"codec": args.codec} if args.codec else {}))
             with _comm_timing(sync, comm_times):
                 with _started_on(other_cpus):  # the communication thread starts here, and all it starts inherits them
                     joined = sync.join(resume=False)
@@ -383,7 +397,8 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                     for _ in range(args.warmup):
                         sync.step(tokens=tokens, loss=inner_step())
                     before = {k: list(v) for k, v in sync.timings.items()}
-                    with Phase("on", repeat, args.steps, sync_pid) as on_phase:
+                    comm_pid = getattr(sync.comm, "pid", None)
+                    with Phase("on", repeat, args.steps, sync_pid, comm_pid) as on_phase:
                         for _ in range(args.steps):
                             sync.step(tokens=tokens, loss=inner_step())
                     phases.append(on_phase)
@@ -391,6 +406,8 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                         seen = pinning["observed"]
                         seen["training"] |= _affinity(training_tids)
                         seen["communication"] |= _affinity(_threads_of(os.getpid()) - training_tids)
+                        if comm_pid:
+                            seen["communication"] |= _affinity(_threads_of(comm_pid))
                         seen["synchronizer"] |= _affinity(_threads_of(sync_pid))
                     for phase, (calls, seconds) in sync.timings.items():
                         b = before.get(phase, [0, 0.0])
@@ -425,7 +442,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         "model": {"d_model": model_cfg.d_model, "n_layer": model_cfg.n_layer, "n_head": model_cfg.n_head,
                   "context": model_cfg.context, "params": num_params(model)},
         "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-        "protocol": protocol, "codec": args.codec,
+        "protocol": protocol, "codec": args.codec, "comm": args.comm,
         "steps_per_s_off": off, "steps_per_s_on": on, "step_ms": 1e3 / off, "step_ms_on": 1e3 / on,
         "overhead": overhead, "goal": GOAL, "meets_goal": overhead < GOAL,
         "overhead_means": "1 - median steps/s with DecoupledSync / median steps/s without, same model and "

@@ -52,6 +52,7 @@ CONNECT = "connect"
 DISCONNECT = "disconnect"
 POISONED = "poisoned"
 FLUSHED = "flushed"
+COMM_RESTART = "comm_restart"
 # synchronizer log
 SYNC_START = "sync_start"
 SYNC_STOP = "sync_stop"
@@ -165,6 +166,9 @@ _SPECS: tuple[EventSpec, ...] = (
     _E(LEARNER_LOG, DISCONNECT, "the stream to the synchronizer broke", {"synchronizer_id": "its id"},
        {"synchronizer_shard": "which shard, `s/S` (a sharded synchronizer)"}),
     _E(LEARNER_LOG, POISONED, "fault injection turned every parameter NaN", {"step": "the step"}),
+    _E(LEARNER_LOG, COMM_RESTART, "the communication process (`learner.comm: process`) died and another was started",
+       {"exit_code": "how the dead one ended (negative: the signal)", "restarts": "restarts so far",
+        "resent": "contributions handed to the new one (not answered yet)", "pid": "the new one's pid"}),
     _E(LEARNER_LOG, FLUSHED, "the learner closed after waiting for its last answers",
        {"all_answered": "whether every contribution was answered", "pending_s": "seconds waited"}),
     # -- synchronizer --------------------------------------------------------------------------
@@ -287,7 +291,7 @@ def reference_markdown() -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["APPLY", "CONNECT", "DISCONNECT", "DOC_BEGIN", "DOC_END", "DROPPED", "END", "ERROR", "EVAL", "FAULT",
+__all__ = ["APPLY", "COMM_RESTART", "CONNECT", "DISCONNECT", "DOC_BEGIN", "DOC_END", "DROPPED", "END", "ERROR", "EVAL", "FAULT",
            "FAULTS_LOG", "FLUSHED", "HEAL", "LEARNER_LOG", "LOGS", "MERGE", "NORM_CLIP", "PHASE", "POISONED", "READY",
            "REGISTRY", "REJECT", "RESULT", "SEND", "SKIP", "START", "STEP", "STRICT_ENV", "SYNC", "SYNCHRONIZER_LOG",
            "SYNC_START", "SYNC_STOP", "TORCHFT_LOG", "EventSchemaError", "EventSpec", "LogSpec", "names",

@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 _CONFIGURED = False
+_SETTINGS: dict[str, Any] = {}
 
 
 def configure(level: str | None = None, json: bool | None = None, file: Any = None) -> None:
@@ -24,6 +25,7 @@ def configure(level: str | None = None, json: bool | None = None, file: Any = No
     if json is None:
         env = os.environ.get("DDILOCO_LOG_JSON")
         json = env != "0" if env is not None else not sys.stderr.isatty()
+    _SETTINGS.update(level=level, json=json)
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
@@ -38,6 +40,13 @@ def configure(level: str | None = None, json: bool | None = None, file: Any = No
         cache_logger_on_first_use=False,
     )
     _CONFIGURED = True
+
+
+def settings() -> dict[str, Any]:
+    """This process's level and format, for a child process to ``configure`` the same way."""
+    if not _CONFIGURED:
+        configure()
+    return dict(_SETTINGS)
 
 
 def get_logger(name: str, **bound: Any) -> Any:

@@ -44,6 +44,8 @@ class FleetJoin:
     """The joins of every shard, seen as one (what ``DecoupledSync.join`` waits for)."""
 
     joins: list[JoinState] = field(default_factory=list)
+    failure: str | None = None
+    """Why the communication itself could not run (the communication process's; never set here)."""
 
     @property
     def error(self) -> str | None:
@@ -87,7 +89,10 @@ class Comm:
     def __init__(self, cfg: LearnerConfig, *, layout: FragmentLayout, model_fingerprint: str, incarnation: int,
                  events: EventLog, held: Callable[[], dict[int, int]],
                  genesis_values: Callable[[], dict[int, torch.Tensor]],
-                 labels: dict[str, str] | None = None) -> None:
+                 labels: dict[str, str] | None = None,
+                 mailbox: Callable[[EventLog], Mailbox] = Mailbox) -> None:
+        """``mailbox``: how each lane's mailbox is made (the communication process's forwards what
+        training takes to the training process)."""
         targets = cfg.targets
         self.shards = len(targets)
         self._stop = threading.Event()
@@ -97,14 +102,14 @@ class Comm:
         """Set by ``drain`` or by any shard asking this learner to leave."""
         self.lanes: list[Lane] = []
         for s, target in enumerate(targets):
-            mailbox = Mailbox(events)
-            link = Link(cfg, mailbox=mailbox, stop=self._stop, layout=layout, model_fingerprint=model_fingerprint,
+            box = mailbox(events)
+            link = Link(cfg, mailbox=box, stop=self._stop, layout=layout, model_fingerprint=model_fingerprint,
                         incarnation=incarnation, events=events, held=held, genesis_values=genesis_values,
                         labels=labels, target=target, shard=s, shards=self.shards,
                         fragments=tuple(owned(layout.num_fragments, s, self.shards)),
                         stats=self.stats, draining=self.draining)
             name = f"comm-{link.learner_id}" + (f"-shard{s}" if self.shards > 1 else "")
-            self.lanes.append(Lane(s, mailbox, link, threading.Thread(target=link.run, name=name, daemon=True)))
+            self.lanes.append(Lane(s, box, link, threading.Thread(target=link.run, name=name, daemon=True)))
         self.join = FleetJoin([lane.link.join for lane in self.lanes])
         self.hurry = threading.Event()
         """Set by a second stop request: ``flush`` stops waiting (what is unsent or unanswered is dropped)."""

@@ -70,6 +70,11 @@ class LearnerConfig:
     long (the learner waits out the rest after the step), so a fleet property that depends on
     how long a step is against a round trip holds on a machine of any speed. ``speed`` slows
     the floored step further. 0: no floor."""
+    comm: Literal["thread", "process"] = "thread"
+    """Where the communication runs: a thread of the training process (it shares the interpreter
+    lock with the training loop), or a process of its own, handed fragments through shared memory
+    and started again if it dies (needs ``P + 2`` fragment-sized slots of shared memory; see
+    docs/design-notes.md, "Communication in a process of its own")."""
     codec: CodecName = "bf16_zstd"
     """Codec of contributions."""
     error_feedback: bool = True

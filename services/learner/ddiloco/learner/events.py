@@ -30,6 +30,10 @@ class EventLog:
         self.observers: list[Callable[[str, dict[str, Any]], None]] = []
 
     def emit(self, event: str, **fields: Any) -> None:
+        self.emit_at(time.time(), event, **fields)
+
+    def emit_at(self, t: float, event: str, **fields: Any) -> None:
+        """``emit`` of an event that happened at Unix time ``t`` (in the communication process)."""
         schema.validate(self.log, event, self.bound.keys() | fields.keys())
         for observer in self.observers:
             observer(event, fields)
@@ -37,7 +41,7 @@ class EventLog:
             self.counts[event] = self.counts.get(event, 0) + 1
             if self._file is None:
                 return
-            record = {"event": event, "t": time.time(), **self.bound, **fields}
+            record = {"event": event, "t": t, **self.bound, **fields}
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:

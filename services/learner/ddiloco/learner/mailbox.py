@@ -98,6 +98,11 @@ class Mailbox:
             out, self._heals = self._heals, set()
         return out
 
+    def add_heals(self, fragments: list[int]) -> None:
+        """Fragments to heal, decided elsewhere (by the communication process's mailbox)."""
+        with self._lock:
+            self._heals.update(fragments)
+
     def want_resync(self, fragments: tuple[int, ...]) -> None:
         """Have the communication thread fetch ``fragments`` again (``take_resync_wanted``)."""
         with self._lock:

@@ -161,6 +161,13 @@ class Link:
         """Send a heartbeat now rather than at the next interval (the pace became known, training ended)."""
         self._set_soon(self._beat)
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on this link's event loop (everything the link does waits while it runs)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                loop.call_soon_threadsafe(fn)
+
     def _set_soon(self, event: asyncio.Event | None) -> None:
         loop = self._loop
         if loop is not None and event is not None:

@@ -57,6 +57,7 @@ from ddiloco.core.modes import preset
 from ddiloco.fragments.partition import partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
 from ddiloco.learner.comm import Comm
+from ddiloco.learner.comm_process import ProcessComm
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.local import LocalFragments
@@ -144,7 +145,8 @@ class DecoupledSync:
         if cfg.metrics_port is not None and self.ranks.leader:
             self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
         self.events.observers.append(self.metrics.observe)
-        self.comm = Comm(cfg, layout=self.layout, model_fingerprint=self.fingerprint, incarnation=self.incarnation,
+        comm = ProcessComm if cfg.comm == "process" else Comm
+        self.comm = comm(cfg, layout=self.layout, model_fingerprint=self.fingerprint, incarnation=self.incarnation,
                          events=self.events, held=lambda: self.versions, genesis_values=self.local.values,
                          labels={"model": model_ref} if model_ref else {})
 
@@ -217,6 +219,9 @@ class DecoupledSync:
                 shards = "" if self.comm.shards == 1 else f" (shards {join.pending} of {self.comm.shards} did not answer)"
                 raise SyncError(f"could not join the synchronizer at {self.cfg.synchronizer}{shards} within "
                                 f"{timeout_s:g}s (learner.join_timeout_s)")
+        if join.failure:
+            self.close("failed")
+            raise SyncError(f"could not join the synchronizer at {self.cfg.synchronizer}: {join.failure}")
         if join.error:
             self.close("failed")
             raise SyncError(f"synchronizer refused this learner: {join.error}")

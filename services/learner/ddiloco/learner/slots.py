@@ -1,0 +1,192 @@
+"""Fragment-sized buffers shared between a learner's training process and its communication process.
+
+A ``SlotPool`` is one block of shared memory cut into ``count`` slots of ``slot_bytes`` each. The
+process that writes into the slots creates it and keeps the free list (the owner); the other
+process maps the same block from its file descriptor (``SlotPool.attach``: the descriptor is
+inherited when the peer is started). The owner's ``put`` copies a tensor into a free slot (the
+hand-off's one copy) and returns a ``SlotRef``, a small picklable handle that travels over the
+control channel; the peer reads it with ``view`` (a tensor over the shared memory, no copy) and,
+when done, says so on the control channel, and the owner's ``free`` returns the slot. ``reclaim``
+frees every slot at once: refs handed out before it carry an older generation and are refused
+from then on, so a late release of a reclaimed slot cannot free it a second time.
+
+The block is anonymous (``memfd_create`` on Linux; elsewhere a temporary file removed as soon as
+it is open): it has no name to leak, and the kernel frees it when the last process holding it
+exits, however that process ends (a SIGKILL included). Only fp32 travels here (fragments are flat
+fp32 on the CPU). Nothing here blocks: a full pool makes ``put`` return None, and the caller
+decides what to do instead.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """One filled slot: where it is, how many fp32 values it holds, and the pool generation."""
+
+    slot: int
+    numel: int
+    generation: int
+
+
+def _anonymous_file(size: int) -> int:
+    """A descriptor of ``size`` bytes of shared memory that no path names."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("ddiloco-slots", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - not Linux
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            fd = os.dup(f.fileno())
+        os.unlink(f.name)
+    os.ftruncate(fd, size)
+    return fd
+
+
+class SharedValues:
+    """A few float64 values one process writes and another reads, in shared memory, with no
+    message and no lock: the writer bumps a sequence number to odd before it writes and to even
+    after; a reader retries a copy that saw it odd or changed (a sequence lock). Integers are
+    exact up to 2**53."""
+
+    def __init__(self, fd: int, size: int, *, owner: bool) -> None:
+        self.fd, self.size, self.owner = fd, size, owner
+        self.buf = mmap.mmap(fd, 8 * (size + 1))
+        self._all = torch.frombuffer(self.buf, dtype=torch.float64, count=size + 1)
+        self._seq = 0
+
+    @classmethod
+    def create(cls, size: int) -> SharedValues:
+        if size < 1:
+            raise ValueError(f"need at least one value, got {size}")
+        return cls(_anonymous_file(8 * (size + 1)), size, owner=True)
+
+    @classmethod
+    def attach(cls, fd: int, size: int) -> SharedValues:
+        return cls(fd, size, owner=False)
+
+    def write(self, values: list[float]) -> None:
+        """Replace the values (the writer: the owner only)."""
+        if not self.owner:
+            raise RuntimeError("only the owner writes shared values")
+        if len(values) != self.size:
+            raise ValueError(f"{len(values)} values for {self.size}")
+        self._seq += 1
+        self._all[0] = self._seq  # odd: being written
+        self._all[1:] = torch.tensor(values, dtype=torch.float64)
+        self._seq += 1
+        self._all[0] = self._seq
+
+    def read(self, tries: int = 1000) -> list[float]:
+        """A consistent copy of the values."""
+        for _ in range(tries):
+            before = float(self._all[0])
+            values = self._all[1:].tolist()
+            if before == float(self._all[0]) and int(before) % 2 == 0:
+                return values
+            time.sleep(0)
+        raise RuntimeError("shared values kept changing while being read")
+
+    def close(self) -> None:
+        del self._all
+        try:
+            self.buf.close()
+        finally:
+            os.close(self.fd)
+
+
+class SlotPool:
+    def __init__(self, fd: int, count: int, slot_bytes: int, *, owner: bool) -> None:
+        size = os.fstat(fd).st_size
+        if size < count * slot_bytes:
+            raise ValueError(f"the shared block holds {size} bytes, not {count} x {slot_bytes}")
+        self.fd, self.count, self.slot_bytes, self.owner = fd, count, slot_bytes, owner
+        self.buf = mmap.mmap(fd, count * slot_bytes)
+        self.generation = 0
+        self._free = list(range(count))
+        self._held: set[int] = set()
+
+    @classmethod
+    def create(cls, count: int, slot_bytes: int) -> SlotPool:
+        """A new pool of ``count`` slots of at least ``slot_bytes`` each, owned by this process."""
+        if count < 1 or slot_bytes < 4:
+            raise ValueError(f"a slot pool needs at least one slot of 4 bytes, got {count} x {slot_bytes}")
+        slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
+        return cls(_anonymous_file(count * slot_bytes), count, slot_bytes, owner=True)
+
+    @classmethod
+    def attach(cls, fd: int, count: int, slot_bytes: int) -> SlotPool:
+        """The peer's side of a pool: its inherited descriptor, count and slot size."""
+        return cls(fd, count, slot_bytes, owner=False)
+
+    @property
+    def max_values(self) -> int:
+        return self.slot_bytes // 4
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def put(self, values: torch.Tensor) -> SlotRef | None:
+        """Copy flat fp32 ``values`` into a free slot; None when every slot is held."""
+        self._owned("put")
+        if values.dtype != torch.float32:
+            raise TypeError(f"slots hold fp32 values, got {values.dtype}")
+        numel = values.numel()
+        if numel > self.max_values:
+            raise ValueError(f"{numel} values do not fit a slot of {self.max_values}")
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._held.add(slot)
+        self._tensor(slot, numel).copy_(values.detach().reshape(-1))
+        return SlotRef(slot, numel, self.generation)
+
+    def view(self, ref: SlotRef) -> torch.Tensor:
+        """The values of a filled slot, in place (valid until the slot is released)."""
+        if not 0 <= ref.slot < self.count or not 0 <= ref.numel <= self.max_values:
+            raise ValueError(f"no slot {ref.slot} of {ref.numel} values in a pool of {self.count} x {self.max_values}")
+        return self._tensor(ref.slot, ref.numel)
+
+    def free(self, ref: SlotRef) -> bool:
+        """Return a released slot to the free list; False for a ref of an older generation or a
+        slot that is not held (released twice)."""
+        self._owned("free")
+        if ref.generation != self.generation or ref.slot not in self._held:
+            return False
+        self._held.discard(ref.slot)
+        self._free.append(ref.slot)
+        return True
+
+    def reclaim(self) -> int:
+        """Free every held slot (the peer died holding them); how many were held."""
+        self._owned("reclaim")
+        held = len(self._held)
+        self.generation += 1
+        self._free = list(range(self.count))
+        self._held.clear()
+        return held
+
+    def close(self) -> None:
+        """Unmap and close this process's descriptor. Every tensor from ``view`` must be gone."""
+        try:
+            self.buf.close()
+        finally:
+            os.close(self.fd)
+
+    def _owned(self, what: str) -> None:
+        if not self.owner:
+            raise RuntimeError(f"only the pool's owner may {what}")
+
+    def _tensor(self, slot: int, numel: int) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0)
+        return torch.frombuffer(self.buf, dtype=torch.float32, count=numel, offset=slot * self.slot_bytes)

@@ -1,0 +1,234 @@
+"""``learner.comm: process``: the communication in a process of its own, against real synchronizer
+processes. The same loop as thread mode (genesis, merges, a heal, a late joiner fetching the global
+model); the communication process SIGKILLed in the middle of training and started again with
+nothing lost; the training process SIGKILLed and its communication process gone with it; a
+communication process killed before the join turned into a clear error."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ddiloco.learner.comm_process import ProcessComm
+from ddiloco.learner.sync import DecoupledSync, SyncError
+from tests.learner.test_decoupled_sync import PROTOCOL, _events, _mlp, fleet
+from tests.procs import children_of, synchronizer
+
+
+def _loss(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> float:
+    x = torch.randn(32, 8, generator=gen)
+    loss = ((model(x).squeeze(1) - x @ torch.linspace(-1, 1, 8)) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.05)  # a step of a real model takes time: the synchronizer paces its rounds on it
+    return float(loss.detach())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_loop_with_its_communication_in_a_process_joins_merges_heals_and_feeds_a_late_joiner(tmp_path):
+    with fleet(tmp_path, comm="process") as (target, sync, model, opt, log):
+        assert isinstance(sync.comm, ProcessComm)
+        gen = torch.Generator().manual_seed(1)
+        assert sync.join() == 0
+        child = sync.comm.pid
+        assert child is not None and child in children_of(os.getpid())
+        losses = []
+        for step in range(1, 41):
+            value = _loss(model, opt, gen)
+            value = float("nan") if step == 20 else value
+            losses.append(value)
+            sync.step(tokens=32, loss=value)
+        assert sync.finish()
+        assert not _alive(child), "the communication process ends with the learner"
+        events = _events(log)
+        kinds = [e["event"] for e in events]
+        assert next(e for e in events if e["event"] == "start")["genesis"] is True
+        heal = next(e for e in events if e["event"] == "heal")
+        assert heal["step"] == 20 and sorted(heal["fragments"]) == [0, 1, 2]
+        assert "apply" in kinds and min(sync.versions.values()) >= 1
+        assert all(math.isfinite(v) for v in losses[21:]) and losses[-1] < losses[0] / 2
+        sends = {e["sequence"] for e in events if e["event"] == "send"}
+        answered = {e["sequence"] for e in events if e["event"] in ("result", "dropped")}
+        assert sends and sends == answered, "every contribution handed over is answered or dropped, in the log"
+        merged = [e for e in events if e["event"] == "result" and e["outcome"] == "merged"]
+        assert merged and all(e["learner_id"] == "loop-a" for e in merged)
+        connect = next(i for i, e in enumerate(events) if e["event"] == "connect")
+        assert kinds.index("start") > connect and kinds.count("flushed") == 1
+        assert sync.comm.bytes_sent > 0 and sync.comm.bytes_received > 0
+
+        # A late joiner in process mode fetches the global model through its communication process.
+        other = _mlp()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.zero_()
+        late = DecoupledSync(other, synchronizer=target, learner_id="loop-b", fragments=3, sync_every=4, steps=40,
+                             join_timeout_s=60.0, comm="process")
+        try:
+            start = late.join()
+            assert start is not None and 0 < start <= 40
+            assert all(late.versions[f] >= v for f, v in sync.versions.items())
+            assert any(p.abs().sum() > 0 for p in other.parameters())
+        finally:
+            late.close()
+
+
+def test_a_sigkilled_communication_process_is_started_again_and_nothing_is_lost(tmp_path):
+    with fleet(tmp_path, comm="process") as (_, sync, model, opt, log):
+        gen = torch.Generator().manual_seed(2)
+        assert sync.join() == 0
+        first = sync.comm.pid
+        assert first is not None
+        killed_at = None
+        versions_at_kill: dict[int, int] = {}
+        deadline = time.monotonic() + 120
+        step = 0
+        while time.monotonic() < deadline:
+            step += 1
+            sync.step(tokens=32, loss=_loss(model, opt, gen))
+            if killed_at is None and min(sync.versions.values()) >= 2 and sync.comm.pending() > 0:
+                os.kill(first, signal.SIGKILL)  # in the middle of training, with contributions in flight
+                killed_at, versions_at_kill = step, dict(sync.versions)
+            if killed_at is not None and step >= killed_at + 8 and all(
+                    sync.versions[f] > v + 1 for f, v in versions_at_kill.items()):
+                break
+        assert killed_at is not None, "no merge within the deadline"
+        assert sync.comm.restarts == 1 and sync.comm.pid not in (None, first)
+        assert all(sync.versions[f] > v + 1 for f, v in versions_at_kill.items()), \
+            f"merges did not go on after the restart: {versions_at_kill} -> {sync.versions}"
+        assert sync.finish()
+        events = _events(log)
+        restart = [e for e in events if e["event"] == "comm_restart"]
+        assert len(restart) == 1 and restart[0]["exit_code"] == -signal.SIGKILL
+        assert restart[0]["resent"] >= 1, "the contributions in flight are handed to the new process"
+        assert restart[0]["pid"] == sync.comm.pid
+        assert sum(e["event"] == "start" for e in events) == 1, "a restart is no new join"
+        assert not any(e["event"] == "heal" for e in events), "nothing needed healing"
+        sends = {e["sequence"] for e in events if e["event"] == "send"}
+        answered = {e["sequence"] for e in events if e["event"] in ("result", "dropped")}
+        assert sends <= answered, "every contribution is answered or dropped (finish() waited for them)"
+        after = [e for e in events if e["event"] == "result" and e["outcome"] == "merged"
+                 and e["t"] > restart[0]["t"]]
+        assert after, "contributions sent by the new communication process merge"
+
+
+_PARENT = textwrap.dedent("""
+    import sys, time, torch
+    from torch import nn
+    from ddiloco.learner.sync import DecoupledSync
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    sync = DecoupledSync(model, synchronizer=sys.argv[1], learner_id="doomed", fragments=3, sync_every=4,
+                         join_timeout_s=60.0, comm="process")
+    assert sync.join() == 0
+    print(sync.comm.pid, flush=True)
+    while True:
+        time.sleep(0.05)
+        sync.step(tokens=32, loss=1.0)
+""")
+
+
+def test_a_sigkilled_training_process_takes_its_communication_process_with_it(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(PROTOCOL)
+    with synchronizer(tmp_path, "--config", str(cfg), "--quorum", "1") as target:
+        parent = subprocess.Popen([sys.executable, "-c", _PARENT, target], stdout=subprocess.PIPE)
+        try:
+            assert parent.stdout is not None
+            child = int(parent.stdout.readline())
+            assert _alive(child)
+            parent.kill()
+            parent.wait(30)
+            deadline = time.monotonic() + 30
+            while _alive(child) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _alive(child), "the communication process outlived its learner"
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait()
+
+
+def test_a_communication_process_that_dies_before_the_join_is_a_clear_error() -> None:
+    sync = DecoupledSync(_mlp(), synchronizer="127.0.0.1:9", learner_id="early", fragments=3, sync_every=4,
+                         join_timeout_s=60.0, comm="process")
+    killed: list[int] = []
+
+    def kill_once_started() -> None:
+        deadline = time.monotonic() + 30
+        while sync.comm.pid is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # joining: nothing listens at port 9, so it retries
+        if sync.comm.pid is not None:
+            killed.append(sync.comm.pid)
+            os.kill(sync.comm.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_started)
+    killer.start()
+    try:
+        with pytest.raises(SyncError, match=f"communication process exited with code {-signal.SIGKILL} before joining"):
+            sync.join(timeout_s=30.0)
+    finally:
+        killer.join()
+    assert killed and not _alive(killed[0])
+
+
+def test_a_stopped_training_process_holds_the_communications_event_loop_until_it_runs_again(tmp_path):
+    """What the communication process does on each lane's event loop when it sees its training
+    process stopped (SIGSTOP): the loop (heartbeats, sends, receipts) waits until it runs again."""
+    import asyncio
+
+    from ddiloco.learner.comm_process import hold_while_stopped, stopped
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    ticks: list[float] = []
+    loop = asyncio.new_event_loop()
+
+    done = threading.Event()
+
+    async def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+
+    runner = threading.Thread(target=loop.run_until_complete, args=(tick(),), daemon=True)
+    runner.start()
+    try:
+        assert not stopped(other.pid)
+        other.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not stopped(other.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stopped(other.pid)
+        loop.call_soon_threadsafe(hold_while_stopped, other.pid)
+        time.sleep(0.2)
+        held_from = len(ticks)
+        time.sleep(0.5)
+        assert len(ticks) == held_from, "the loop ran while the process was stopped"
+        other.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while len(ticks) < held_from + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ticks) >= held_from + 5, "the loop did not run again once the process did"
+    finally:
+        other.kill()
+        other.wait()
+        done.set()
+        runner.join(10)
+        loop.close()

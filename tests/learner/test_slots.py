@@ -1,0 +1,157 @@
+"""Shared memory slots between two real processes: values cross with one copy, slots come back,
+and a peer killed while holding slots costs nothing but a reclaim."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ddiloco.learner.slots import SharedValues, SlotPool, SlotRef
+
+_READER = textwrap.dedent("""
+    import sys, signal, os
+    from ddiloco.learner.slots import SharedValues, SlotPool, SlotRef
+    fd, count, slot_bytes = map(int, sys.argv[1:4])
+    pool = SlotPool.attach(fd, count, slot_bytes)
+    for line in sys.stdin:
+        if line.strip() == "hold":
+            print(os.getpid(), flush=True)
+            signal.pause()  # killed here, holding whatever it was given
+        ref = SlotRef(*map(int, line.split()))
+        values = pool.view(ref)
+        print(ref.slot, ref.numel, ref.generation, float(values.sum()), flush=True)
+        del values
+    pool.close()
+""")
+
+
+@pytest.fixture
+def reader():
+    started = []
+
+    def start(pool: SlotPool) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", _READER, str(pool.fd), str(pool.count), str(pool.slot_bytes)],
+                                pass_fds=(pool.fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _ask(proc: subprocess.Popen[str], line: str) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline()
+
+
+def test_values_cross_to_another_process_and_slots_come_back(reader) -> None:
+    pool = SlotPool.create(2, 4 * 1000)
+    proc = reader(pool)
+    try:
+        for round_no in range(5):  # more hand-offs than slots: each comes back before the next
+            values = torch.arange(1000, dtype=torch.float32) * (round_no + 1)
+            ref = pool.put(values)
+            assert ref is not None
+            values.zero_()  # the slot holds its own copy
+            slot, numel, generation, total = _ask(proc, f"{ref.slot} {ref.numel} {ref.generation}").split()
+            got = SlotRef(int(slot), int(numel), int(generation))
+            assert (got, got.numel) == (ref, 1000)
+            assert float(total) == float((torch.arange(1000, dtype=torch.float32) * (round_no + 1)).sum())
+            assert pool.free(got)
+            assert not pool.free(got), "a slot released twice is refused"
+        assert pool.free_slots == 2
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+    finally:
+        pool.close()
+
+
+def test_a_full_pool_says_so_and_bad_input_changes_nothing() -> None:
+    pool = SlotPool.create(1, 16)
+    try:
+        assert pool.max_values == 16  # slots are rounded up to 64 bytes
+        with pytest.raises(ValueError, match="do not fit"):
+            pool.put(torch.zeros(17))
+        with pytest.raises(TypeError, match="fp32"):
+            pool.put(torch.zeros(2, dtype=torch.float64))
+        assert pool.free_slots == 1
+        ref = pool.put(torch.ones(4))
+        assert ref is not None and pool.put(torch.ones(1)) is None
+        with pytest.raises(ValueError, match="no slot"):
+            pool.view(SlotRef(3, 1, 0))
+        view = pool.view(ref)
+        assert torch.equal(view, torch.ones(4))
+        del view  # a view must be gone before the pool closes
+        assert pool.put(torch.zeros(0)) is None
+    finally:
+        pool.close()
+
+
+def test_a_peer_killed_holding_slots_is_reclaimed_and_its_late_refs_are_refused(reader) -> None:
+    pool = SlotPool.create(3, 64)
+    proc = reader(pool)
+    try:
+        held = [pool.put(torch.full((16,), float(i))) for i in range(3)]
+        assert all(held) and pool.put(torch.zeros(1)) is None
+        pid = int(_ask(proc, "hold"))
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(60) == -signal.SIGKILL
+        assert pool.reclaim() == 3
+        assert pool.free_slots == 3
+        assert not any(pool.free(ref) for ref in held if ref is not None)  # older generation
+        assert pool.free_slots == 3
+        fresh = pool.put(torch.full((16,), 9.0))
+        assert fresh is not None and torch.equal(pool.view(fresh), torch.full((16,), 9.0))
+    finally:
+        pool.close()
+
+
+def test_only_the_owner_hands_out_slots_and_an_attached_pool_must_fit() -> None:
+    pool = SlotPool.create(2, 64)
+    try:
+        peer = SlotPool.attach(os.dup(pool.fd), 2, 64)
+        with pytest.raises(RuntimeError, match="owner"):
+            peer.put(torch.zeros(1))
+        with pytest.raises(RuntimeError, match="owner"):
+            peer.reclaim()
+        peer.close()
+        fd = os.dup(pool.fd)
+        with pytest.raises(ValueError, match="holds"):
+            SlotPool.attach(fd, 200, 64)
+        os.close(fd)
+    finally:
+        pool.close()
+
+
+def test_shared_values_cross_to_another_process_without_a_message() -> None:
+    shared = SharedValues.create(3)
+    try:
+        shared.write([1.0, 2.5, 2.0**53])
+        script = ("import sys; from ddiloco.learner.slots import SharedValues; "
+                  "print(SharedValues.attach(int(sys.argv[1]), 3).read())")
+        out = subprocess.run([sys.executable, "-c", script, str(shared.fd)], pass_fds=(shared.fd,),
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        assert out.strip() == str([1.0, 2.5, 2.0**53])
+        with pytest.raises(ValueError, match="2 values for 3"):
+            shared.write([1.0, 2.0])
+        assert shared.read() == [1.0, 2.5, 2.0**53], "a refused write changes nothing"
+        peer = SharedValues.attach(os.dup(shared.fd), 3)
+        with pytest.raises(RuntimeError, match="only the owner"):
+            peer.write([0.0, 0.0, 0.0])
+        peer.close()
+        with pytest.raises(ValueError, match="at least one"):
+            SharedValues.create(0)
+    finally:
+        shared.close()
