@@ -15,16 +15,22 @@ PYPROJECTS := pyproject.toml $(addsuffix /pyproject.toml,$(PARTS))
 
 .PHONY: install run test test-fast lint bench protos clean
 
-$(STAMP): $(PYPROJECTS)
+$(STAMP): $(PYPROJECTS) scripts/third_party_requirements.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet "setuptools>=69" wheel "uv>=0.5"
-	# uv resolves and installs the rest (about 25 s where pip took 2 min) and keeps the torch above.
+	# uv resolves and installs the rest (about 25 s where pip took 2 min) and keeps the torch above:
+	# every third-party requirement first, then the workspace's packages, editable, without
+	# dependencies. In one go, a package's build could run while a setuptools plugin of another
+	# (kernels, via transformers) was installed and what it imports was not yet, and fail
+	# (scripts/third_party_requirements.py says more).
 	# --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set, nothing else would ever write the
 	# bytecode, and every process would compile its imports again. compat: each folder goes on
 	# sys.path as it is, so tools that read files (lint-imports, mypy) see the namespace packages
 	# exactly as Python imports them
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode --no-build-isolation \
+	$(BIN)/python scripts/third_party_requirements.py . $(PARTS) --extra dev > $(VENV)/third-party.txt
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -r $(VENV)/third-party.txt
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode --no-build-isolation --no-deps \
 		--config-setting editable_mode=compat $(addprefix -e ,$(PARTS)) -e '.[dev]'
 	touch $(STAMP)
 
