@@ -169,10 +169,8 @@ class Link:
                 loop.call_soon_threadsafe(fn)
 
     def _set_soon(self, event: asyncio.Event | None) -> None:
-        loop = self._loop
-        if loop is not None and event is not None:
-            with contextlib.suppress(RuntimeError):  # the loop already closed
-                loop.call_soon_threadsafe(event.set)
+        if event is not None:
+            self.call_soon(event.set)
 
     # -- the thread -----------------------------------------------------------------------
 
