@@ -194,7 +194,7 @@ def test_a_stopped_training_process_holds_the_communications_event_loop_until_it
     process stopped (SIGSTOP): the loop (heartbeats, sends, receipts) waits until it runs again."""
     import asyncio
 
-    from ddiloco.learner.comm_process import hold_while_stopped, stopped
+    from ddiloco.learner.comm_child import hold_while_stopped, stopped
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     ticks: list[float] = []

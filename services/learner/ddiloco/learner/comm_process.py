@@ -2,7 +2,7 @@
 
 In thread mode (``comm.Comm``) the communication thread's Python (the event loop, gRPC, codecs,
 the wake-up of each hand-off) shares the interpreter lock with the training loop. Here the same
-``Comm`` runs in a child process, ``python -m ddiloco.learner.comm_process``, and the training
+``Comm`` runs in a child process (``comm_child.py``, ``python -m ddiloco.learner.comm_child``), and the training
 process holds ``ProcessComm``, which has ``Comm``'s methods and no event loop, no gRPC and no
 thread of its own:
 
@@ -35,10 +35,7 @@ Messages are pickled tuples; fragment values travel as raw bytes right after the
 
 from __future__ import annotations
 
-import os
 import pickle
-import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -65,7 +62,7 @@ from ddiloco.protocol import wire
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 """More deaths of the communication process than this within this window end training."""
-_STATS = 5
+STATS = 5
 """Shared values before the held versions: step, tokens_total, tokens_per_s, step_time_s, training_done."""
 STOP_TIMEOUT_S = 20.0
 """How long ``stop`` waits for the child to say goodbye before it is killed."""
@@ -76,7 +73,7 @@ class CommProcessError(RuntimeError):
 
 
 @dataclass
-class _Spec:
+class ChildSpec:
     """What the child needs to build its ``Comm`` (sent as the channel's first message)."""
 
     cfg: LearnerConfig
@@ -90,18 +87,18 @@ class _Spec:
     pool_count: int
     pool_slot_bytes: int
     shared_fd: int
-    """The training side's pace and held versions (``SharedValues``: ``_STATS`` values, then one
+    """The training side's pace and held versions (``SharedValues``: ``STATS`` values, then one
     version per fragment, -1 where none is held)."""
     rejoin: bool
     """A restart: joined already, so every session is a reconnect."""
     log_settings: dict[str, Any] = field(default_factory=dict)
 
 
-def _send_values(conn: Connection, values: torch.Tensor) -> None:
+def send_values(conn: Connection, values: torch.Tensor) -> None:
     conn.send_bytes(values.detach().reshape(-1).contiguous().numpy().data.cast("B"))
 
 
-def _recv_values(conn: Connection, numel: int) -> torch.Tensor:
+def recv_values(conn: Connection, numel: int) -> torch.Tensor:
     out = torch.empty(numel, dtype=torch.float32)
     if numel:
         conn.recv_bytes_into(out.numpy().data.cast("B"))
@@ -203,7 +200,7 @@ class ProcessComm:
     def start(self) -> None:
         biggest = max(f.numel for f in self.layout)
         self._pool = SlotPool.create(self.layout.num_fragments + 2, 4 * biggest)
-        self._shared = SharedValues.create(_STATS + self.layout.num_fragments)
+        self._shared = SharedValues.create(STATS + self.layout.num_fragments)
         self._spawn(rejoin=False)
 
     def _spawn(self, *, rejoin: bool) -> None:
@@ -211,12 +208,12 @@ class ProcessComm:
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "ddiloco.learner.comm_process", str(theirs.fileno())],
+                [sys.executable, "-m", "ddiloco.learner.comm_child", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(), self._pool.fd, self._shared.fd), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
-        spec = _Spec(self.cfg, self.layout, self.model_fingerprint, self.incarnation, self.labels,
+        spec = ChildSpec(self.cfg, self.layout, self.model_fingerprint, self.incarnation, self.labels,
                      dict(self.events.bound), self._pool.fd, self._pool.count, self._pool.slot_bytes,
                      self._shared.fd, rejoin, logs.settings())
         self._conn.send_bytes(pickle.dumps(spec))
@@ -257,7 +254,7 @@ class ProcessComm:
         try:
             self._conn.send_bytes(pickle.dumps(msg))
             if values is not None:
-                _send_values(self._conn, values)
+                send_values(self._conn, values)
         except OSError:  # the child died: the next pump notices and restarts it, which re-sends this
             pass
 
@@ -291,13 +288,13 @@ class ProcessComm:
             self._box.add_heals(msg[1])
         elif kind == "arrival":
             _, fragment, version, resync, numel = msg
-            values = _recv_values(conn, numel)
+            values = recv_values(conn, numel)
             if resync:
                 self._resync_wanted.discard(fragment)
             self._box.deliver(Arrival(fragment, version, values, resync))
         elif kind == "fetched":
             _, fragment, version, numel = msg
-            self.join.fetched[fragment] = (version, _recv_values(conn, numel))
+            self.join.fetched[fragment] = (version, recv_values(conn, numel))
         elif kind == "status":
             _, draining, self.bytes_sent, self.bytes_received, joins = msg
             self.join.joins = [tuple(j) for j in joins]
@@ -420,214 +417,3 @@ class ProcessComm:
         if self._shared is not None:
             self._shared.close()
             self._shared = None
-
-
-# -- the child process ---------------------------------------------------------------------
-
-
-class _Outbox:
-    """Everything the child writes to the training process, in order, from one writer thread (so no
-    communication thread ever blocks on a training process busy with a step)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.queue: queue.SimpleQueue[tuple[tuple[Any, ...], torch.Tensor | None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="comm-outbox", daemon=True)
-        self.thread.start()
-
-    def put(self, msg: tuple[Any, ...], values: torch.Tensor | None = None) -> None:
-        self.queue.put((msg, values))
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(STOP_TIMEOUT_S)
-
-    def _run(self) -> None:
-        closing = False
-        while not closing and (item := self.queue.get()) is not None:
-            batch = [item]
-            while len(batch) < 256:  # everything waiting goes in one write, read in one go
-                try:
-                    more = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    closing = True
-                    break
-                batch.append(more)
-            try:
-                self.conn.send_bytes(pickle.dumps([msg for msg, _ in batch]))
-                for _, values in batch:
-                    if values is not None:
-                        _send_values(self.conn, values)
-            except OSError:  # the training process is gone
-                os._exit(0)
-
-
-class _ForwardingMailbox(Mailbox):
-    """The child's mailbox: what training takes goes to the training process as it comes."""
-
-    outbox: _Outbox
-
-    def add_request(self, msg: wire.FragmentRequest) -> None:
-        self.outbox.put(("request", msg.fragment_id, msg.round))
-
-    def deliver(self, arrival: Arrival) -> None:
-        self.outbox.put(("arrival", arrival.fragment, arrival.version, arrival.resync, arrival.values.numel()),
-                        arrival.values)
-
-    def settle(self, msg: wire.ContributionResult) -> None:
-        super().settle(msg)
-        heals = super().take_heals()
-        if heals:
-            self.outbox.put(("heals", sorted(heals)))
-
-
-def _child(fd: int) -> None:
-    from ddiloco.learner.comm import Comm
-
-    for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the training process's call
-        signal.signal(sig, signal.SIG_IGN)
-    conn = Connection(fd)
-    try:
-        spec: _Spec = pickle.loads(conn.recv_bytes())
-    except EOFError:
-        return
-    logs.configure(**spec.log_settings)
-    outbox = _Outbox(conn)
-    events = EventLog(None, **spec.bound)
-    events.observers.append(lambda event, fields: outbox.put(("event", time.time(), event, fields)))
-    pool = SlotPool.attach(spec.pool_fd, spec.pool_count, spec.pool_slot_bytes)
-    shared = SharedValues.attach(spec.shared_fd, _STATS + spec.layout.num_fragments)
-
-    def held() -> dict[int, int]:
-        return {p: int(v) for p, v in enumerate(shared.read()[_STATS:]) if v >= 0}
-    genesis: dict[int, torch.Tensor] = {}
-    genesis_ready = threading.Event()
-    stop = threading.Event()
-
-    asked = threading.Lock()
-
-    def genesis_values() -> dict[int, torch.Tensor]:
-        if asked.acquire(blocking=False):  # once, for every shard's lane
-            outbox.put(("genesis", [f.index for f in spec.layout]))
-        while not genesis_ready.wait(0.5):
-            if stop.is_set():
-                raise CommProcessError("stopped while waiting for the genesis values")
-        return genesis
-
-    def mailbox(ev: EventLog) -> Mailbox:
-        box = _ForwardingMailbox(ev)
-        box.outbox = outbox
-        return box
-
-    comm = Comm(spec.cfg, layout=spec.layout, model_fingerprint=spec.model_fingerprint,
-                incarnation=spec.incarnation, events=events, held=held,
-                genesis_values=genesis_values, labels=spec.labels, mailbox=mailbox)
-    if spec.rejoin:  # a restart: joined already, so this is a reconnect
-        for lane in comm.lanes:
-            lane.link.joined = True
-            lane.link.join.ready.set()
-    watcher = threading.Thread(target=_watch, args=(comm, outbox, stop, spec.rejoin, shared),
-                               name="comm-watch", daemon=True)
-    comm.start()
-    watcher.start()
-    try:
-        while True:
-            try:
-                msg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):  # the training process is gone: so is its learner
-                os._exit(0)
-            kind = msg[0]
-            if kind == "submit":
-                fragment, sequence, base, tokens, steps, learner_step, round_no, ref = msg[1:9]
-                delta = pool.view(ref) if ref is not None else _recv_values(conn, msg[9])
-                comm.submit(Outgoing(fragment, sequence, base, tokens, steps, learner_step, delta, round=round_no))
-            elif kind == "beat":
-                _pace(comm.stats, shared)
-                comm.beat_now()
-            elif kind == "resync":
-                comm.resync(tuple(msg[1]))
-            elif kind == "values":
-                genesis[msg[1]] = _recv_values(conn, msg[2])
-                if len(genesis) == spec.layout.num_fragments:
-                    genesis_ready.set()
-            elif kind == "stop":
-                stop.set()
-                comm.stop(msg[1])
-                break
-    finally:
-        stop.set()
-        watcher.join(5)
-        _report(comm, outbox, {})
-        outbox.close()
-
-
-def _report(comm: Any, outbox: _Outbox, sent: dict[int, bool]) -> tuple[Any, ...]:
-    """Send the join of every shard (its fetched fragments first, once), drains and byte counts."""
-    joins = []
-    for s, lane in enumerate(comm.lanes):
-        j = lane.link.join
-        ready = j.ready.is_set()
-        if ready and not sent.get(s):
-            sent[s] = True
-            for p, (version, values) in sorted(j.fetched.items()):
-                outbox.put(("fetched", p, version, values.numel()), values)
-            j.fetched = {}  # handed over; the child keeps no copy
-        joins.append((ready, j.genesis, j.fleet_step, j.error))
-    status = ("status", comm.draining.is_set(), comm.bytes_sent, comm.bytes_received, joins)
-    outbox.put(status)
-    return status
-
-
-def stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, or a debugger); False where /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def hold_while_stopped(pid: int, poll_s: float = 0.02) -> None:
-    """Block the calling thread while process ``pid`` is stopped."""
-    while stopped(pid):
-        time.sleep(poll_s)
-
-
-def _pace(stats: LiveStats, shared: SharedValues) -> None:
-    """The training side's pace, as it last wrote it, into what the heartbeats send."""
-    step, tokens_total, tokens_per_s, step_time_s, done = shared.read()[:_STATS]
-    stats.step, stats.tokens_total, stats.tokens_per_s = int(step), int(tokens_total), tokens_per_s
-    stats.step_time_s, stats.training_done = step_time_s, bool(done)
-
-
-def _watch(comm: Any, outbox: _Outbox, stop: threading.Event, rejoined: bool, shared: SharedValues) -> None:
-    """Report the joins at once and the rest when it changes (byte counts at most twice a second).
-    A training process that is stopped (SIGSTOP: a frozen host, the lab's ``stop`` fault) stops the
-    communication with it: every lane's event loop is held (no heartbeat, no send, no receipt)
-    until it runs again, as one process would be."""
-    sent = {s: rejoined for s in range(len(comm.lanes))}
-    last: tuple[Any, ...] = ()
-    last_at = 0.0
-    parent = os.getppid()
-    holding = False
-    while not stop.wait(0.05):
-        if stopped(parent):
-            if not holding:
-                for lane in comm.lanes:
-                    lane.link.call_soon(lambda: hold_while_stopped(parent))
-                holding = True
-            continue
-        holding = False
-        _pace(comm.stats, shared)
-        joins = [(lane.link.join.ready.is_set(), lane.link.join.error) for lane in comm.lanes]
-        key = (comm.draining.is_set(), joins)
-        now = time.monotonic()
-        if key != last or now - last_at >= 0.5:
-            _report(comm, outbox, sent)
-            last, last_at = key, now
-
-
-if __name__ == "__main__":
-    _child(int(sys.argv[1]))

@@ -1,0 +1,246 @@
+"""The communication process of a learner in ``learner.comm: process``: ``python -m
+ddiloco.learner.comm_child FD``, started by the training process's ``ProcessComm`` (``comm_process.py``,
+which describes the whole arrangement) with its end of the control channel as descriptor ``FD``.
+
+It reads a ``ChildSpec`` first, attaches the training process's slot pool and shared values, runs
+the learner's ``Comm`` (lanes, links, mailboxes, codecs, reconnects) with a mailbox that forwards
+what training takes, writes everything back from one writer thread, and exits at once when the
+training process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from ddiloco.core import logs
+from ddiloco.learner.comm_process import (
+    STATS,
+    STOP_TIMEOUT_S,
+    ChildSpec,
+    CommProcessError,
+    recv_values,
+    send_values,
+)
+from ddiloco.learner.events import EventLog
+from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
+from ddiloco.learner.session import LiveStats
+from ddiloco.learner.slots import SharedValues, SlotPool
+from ddiloco.protocol import wire
+
+
+class _Outbox:
+    """Everything the child writes to the training process, in order, from one writer thread (so no
+    communication thread ever blocks on a training process busy with a step)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.queue: queue.SimpleQueue[tuple[tuple[Any, ...], torch.Tensor | None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="comm-outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, msg: tuple[Any, ...], values: torch.Tensor | None = None) -> None:
+        self.queue.put((msg, values))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(STOP_TIMEOUT_S)
+
+    def _run(self) -> None:
+        closing = False
+        while not closing and (item := self.queue.get()) is not None:
+            batch = [item]
+            while len(batch) < 256:  # everything waiting goes in one write, read in one go
+                try:
+                    more = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
+            try:
+                self.conn.send_bytes(pickle.dumps([msg for msg, _ in batch]))
+                for _, values in batch:
+                    if values is not None:
+                        send_values(self.conn, values)
+            except OSError:  # the training process is gone
+                os._exit(0)
+
+
+class _ForwardingMailbox(Mailbox):
+    """The child's mailbox: what training takes goes to the training process as it comes."""
+
+    outbox: _Outbox
+
+    def add_request(self, msg: wire.FragmentRequest) -> None:
+        self.outbox.put(("request", msg.fragment_id, msg.round))
+
+    def deliver(self, arrival: Arrival) -> None:
+        self.outbox.put(("arrival", arrival.fragment, arrival.version, arrival.resync, arrival.values.numel()),
+                        arrival.values)
+
+    def settle(self, msg: wire.ContributionResult) -> None:
+        super().settle(msg)
+        heals = super().take_heals()
+        if heals:
+            self.outbox.put(("heals", sorted(heals)))
+
+
+def _child(fd: int) -> None:
+    from ddiloco.learner.comm import Comm
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the training process's call
+        signal.signal(sig, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        spec: ChildSpec = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        return
+    logs.configure(**spec.log_settings)
+    outbox = _Outbox(conn)
+    events = EventLog(None, **spec.bound)
+    events.observers.append(lambda event, fields: outbox.put(("event", time.time(), event, fields)))
+    pool = SlotPool.attach(spec.pool_fd, spec.pool_count, spec.pool_slot_bytes)
+    shared = SharedValues.attach(spec.shared_fd, STATS + spec.layout.num_fragments)
+
+    def held() -> dict[int, int]:
+        return {p: int(v) for p, v in enumerate(shared.read()[STATS:]) if v >= 0}
+    genesis: dict[int, torch.Tensor] = {}
+    genesis_ready = threading.Event()
+    stop = threading.Event()
+
+    asked = threading.Lock()
+
+    def genesis_values() -> dict[int, torch.Tensor]:
+        if asked.acquire(blocking=False):  # once, for every shard's lane
+            outbox.put(("genesis", [f.index for f in spec.layout]))
+        while not genesis_ready.wait(0.5):
+            if stop.is_set():
+                raise CommProcessError("stopped while waiting for the genesis values")
+        return genesis
+
+    def mailbox(ev: EventLog) -> Mailbox:
+        box = _ForwardingMailbox(ev)
+        box.outbox = outbox
+        return box
+
+    comm = Comm(spec.cfg, layout=spec.layout, model_fingerprint=spec.model_fingerprint,
+                incarnation=spec.incarnation, events=events, held=held,
+                genesis_values=genesis_values, labels=spec.labels, mailbox=mailbox)
+    if spec.rejoin:  # a restart: joined already, so this is a reconnect
+        for lane in comm.lanes:
+            lane.link.joined = True
+            lane.link.join.ready.set()
+    watcher = threading.Thread(target=_watch, args=(comm, outbox, stop, spec.rejoin, shared),
+                               name="comm-watch", daemon=True)
+    comm.start()
+    watcher.start()
+    try:
+        while True:
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):  # the training process is gone: so is its learner
+                os._exit(0)
+            kind = msg[0]
+            if kind == "submit":
+                fragment, sequence, base, tokens, steps, learner_step, round_no, ref = msg[1:9]
+                delta = pool.view(ref) if ref is not None else recv_values(conn, msg[9])
+                comm.submit(Outgoing(fragment, sequence, base, tokens, steps, learner_step, delta, round=round_no))
+            elif kind == "beat":
+                _pace(comm.stats, shared)
+                comm.beat_now()
+            elif kind == "resync":
+                comm.resync(tuple(msg[1]))
+            elif kind == "values":
+                genesis[msg[1]] = recv_values(conn, msg[2])
+                if len(genesis) == spec.layout.num_fragments:
+                    genesis_ready.set()
+            elif kind == "stop":
+                stop.set()
+                comm.stop(msg[1])
+                break
+    finally:
+        stop.set()
+        watcher.join(5)
+        _report(comm, outbox, {})
+        outbox.close()
+
+
+def _report(comm: Any, outbox: _Outbox, sent: dict[int, bool]) -> tuple[Any, ...]:
+    """Send the join of every shard (its fetched fragments first, once), drains and byte counts."""
+    joins = []
+    for s, lane in enumerate(comm.lanes):
+        j = lane.link.join
+        ready = j.ready.is_set()
+        if ready and not sent.get(s):
+            sent[s] = True
+            for p, (version, values) in sorted(j.fetched.items()):
+                outbox.put(("fetched", p, version, values.numel()), values)
+            j.fetched = {}  # handed over; the child keeps no copy
+        joins.append((ready, j.genesis, j.fleet_step, j.error))
+    status = ("status", comm.draining.is_set(), comm.bytes_sent, comm.bytes_received, joins)
+    outbox.put(status)
+    return status
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, or a debugger); False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def hold_while_stopped(pid: int, poll_s: float = 0.02) -> None:
+    """Block the calling thread while process ``pid`` is stopped."""
+    while stopped(pid):
+        time.sleep(poll_s)
+
+
+def _pace(stats: LiveStats, shared: SharedValues) -> None:
+    """The training side's pace, as it last wrote it, into what the heartbeats send."""
+    step, tokens_total, tokens_per_s, step_time_s, done = shared.read()[:STATS]
+    stats.step, stats.tokens_total, stats.tokens_per_s = int(step), int(tokens_total), tokens_per_s
+    stats.step_time_s, stats.training_done = step_time_s, bool(done)
+
+
+def _watch(comm: Any, outbox: _Outbox, stop: threading.Event, rejoined: bool, shared: SharedValues) -> None:
+    """Report the joins at once and the rest when it changes (byte counts at most twice a second).
+    A training process that is stopped (SIGSTOP: a frozen host, the lab's ``stop`` fault) stops the
+    communication with it: every lane's event loop is held (no heartbeat, no send, no receipt)
+    until it runs again, as one process would be."""
+    sent = {s: rejoined for s in range(len(comm.lanes))}
+    last: tuple[Any, ...] = ()
+    last_at = 0.0
+    parent = os.getppid()
+    holding = False
+    while not stop.wait(0.05):
+        if stopped(parent):
+            if not holding:
+                for lane in comm.lanes:
+                    lane.link.call_soon(lambda: hold_while_stopped(parent))
+                holding = True
+            continue
+        holding = False
+        _pace(comm.stats, shared)
+        joins = [(lane.link.join.ready.is_set(), lane.link.join.error) for lane in comm.lanes]
+        key = (comm.draining.is_set(), joins)
+        now = time.monotonic()
+        if key != last or now - last_at >= 0.5:
+            _report(comm, outbox, sent)
+            last, last_at = key, now
+
+
+if __name__ == "__main__":
+    _child(int(sys.argv[1]))
