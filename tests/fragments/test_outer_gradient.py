@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddiloco.fragments.outer_gradient import all_finite, gather, outer_gradient, scatter, segment_views
+from ddiloco.fragments.outer_gradient import (
+    BoundFragment,
+    all_finite,
+    gather,
+    outer_gradient,
+    scatter,
+    segment_views,
+)
 from ddiloco.fragments.partition import partition_tensors
 
 
@@ -134,3 +141,70 @@ def test_all_finite_accepts_finite_values_whose_sum_overflows() -> None:
     assert all_finite(big) and all_finite(-big)
     big[5] = float("nan")
     assert not all_finite(big)
+
+
+def _sequential(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bound_fragment_gathers_and_scatters_what_the_functions_do(dtype: torch.dtype) -> None:
+    model = _sequential(dtype)
+    params = dict(model.named_parameters())
+    layout = partition_tensors(list(params.items()), 2)
+    for frag in layout:
+        bound = BoundFragment(frag, params)
+        assert (bound._views is not None) == (dtype == torch.float32)  # bf16 takes the functions
+        assert torch.equal(bound.gather(), gather(frag, params))
+        out = torch.empty(frag.numel)
+        assert bound.gather(out) is out and torch.equal(out, gather(frag, params))
+        new = torch.randn(frag.numel)
+        bound.scatter(new)
+        assert torch.equal(gather(frag, params), new.to(dtype).float())
+
+
+def test_a_bound_fragment_follows_parameters_given_new_storage() -> None:
+    model = _sequential()
+    params = dict(model.named_parameters())
+    frag = partition_tensors(list(params.items()), 1)[0]
+    bound = BoundFragment(frag, params)
+    model.double().float()  # every parameter's .data replaced: the views made before see old storage
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert torch.equal(bound.gather(), gather(frag, params))
+    params["0.weight"].data = torch.zeros(16, 8)
+    assert torch.equal(bound.gather(), gather(frag, params))
+    values = torch.arange(frag.numel, dtype=torch.float32)
+    bound.scatter(values)
+    assert torch.equal(gather(frag, params), values)
+    assert torch.equal(model[0].weight.reshape(-1), values[: 16 * 8])  # written into the live parameter
+
+
+def test_a_bound_fragment_takes_non_contiguous_parameters_through_the_functions() -> None:
+    model = _sequential()
+    params = dict(model.named_parameters())
+    params["0.weight"].data = torch.randn(8, 16).t()  # same shape, not contiguous
+    frag = partition_tensors(list(params.items()), 1)[0]
+    bound = BoundFragment(frag, params)
+    assert bound._views is None
+    assert torch.equal(bound.gather(), gather(frag, params))
+    values = torch.randn(frag.numel)
+    bound.scatter(values)
+    assert torch.equal(gather(frag, params), values)
+
+
+def test_a_bound_fragment_rejects_wrong_buffers_and_changes_nothing() -> None:
+    model = _sequential()
+    params = dict(model.named_parameters())
+    frag = partition_tensors(list(params.items()), 1)[0]
+    bound = BoundFragment(frag, params)
+    before = gather(frag, params)
+    with pytest.raises(ValueError, match="out buffer"):
+        bound.gather(torch.empty(frag.numel + 1))
+    with pytest.raises(ValueError, match="out buffer"):
+        bound.gather(torch.empty(frag.numel, dtype=torch.float64))
+    with pytest.raises(ValueError, match="flat buffer has"):
+        bound.scatter(torch.zeros(frag.numel - 1))
+    assert torch.equal(gather(frag, params), before)

@@ -78,3 +78,65 @@ def all_finite(values: torch.Tensor) -> bool:
     if bool(torch.isfinite(values.sum())):
         return True
     return bool(torch.isfinite(values).all())
+
+
+class BoundFragment:
+    """A fragment bound to a model's parameters: ``gather`` and ``scatter`` as above, in one call
+    into torch each (``torch.cat`` into the flat buffer; one ``_foreach_copy_`` out of it) where
+    the module-level functions take a few calls per tensor.
+
+    On a small model that is most of their cost: at 0.24M parameters (24 fragments of 1-8 tensors)
+    a fragment's gather took about 0.3 ms in Python, the same in one ``cat`` about 0.012 ms.
+
+    The flat views of the parameters are made once. That holds for fp32 CPU tensors laid out
+    contiguously, whose storage training updates in place; every call checks that each parameter
+    still has the storage its view was made of (``model.to(...)`` or an assignment to ``.data``
+    gives it another one) and makes the views again when one does not. Parameters on another
+    device, of another dtype or not contiguous take the module-level functions.
+    """
+
+    def __init__(self, fragment: Fragment, params: Mapping[str, torch.Tensor]) -> None:
+        self.fragment, self.params = fragment, params
+        self.sizes = [spec.numel for spec in fragment.tensors]
+        self._views: list[torch.Tensor] | None = None
+        self._ptrs: list[int] = []
+        self._bind()
+
+    def _bind(self) -> None:
+        import torch
+
+        live = [self.params[spec.name] for spec in self.fragment.tensors]
+        fast = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                   and t.numel() == spec.numel for t, spec in zip(live, self.fragment.tensors, strict=True))
+        self._views = [t.detach().view(-1) for t in live] if fast else None
+        self._ptrs = [t.data_ptr() for t in live]
+
+    def _current(self) -> list[torch.Tensor] | None:
+        """The flat views, made again if a parameter's storage changed; None: not bindable."""
+        if [self.params[spec.name].data_ptr() for spec in self.fragment.tensors] != self._ptrs:
+            self._bind()
+        return self._views
+
+    def gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
+
+        views = self._current()
+        if views is None:
+            return gather(self.fragment, self.params, out)
+        if out is None:
+            out = torch.empty(self.fragment.numel, dtype=torch.float32)
+        elif out.numel() != self.fragment.numel or out.dtype != torch.float32:
+            raise ValueError(f"out buffer must be fp32 with {self.fragment.numel} values")
+        return torch.cat(views, out=out)
+
+    def scatter(self, flat: torch.Tensor) -> None:
+        import torch
+
+        views = self._current()
+        if views is None or flat.dtype != torch.float32 or flat.device.type != "cpu":
+            return scatter(self.fragment, flat, self.params)
+        if flat.numel() != self.fragment.numel:
+            raise ValueError(f"flat buffer has {flat.numel()} values, fragment {self.fragment.index} has "
+                             f"{self.fragment.numel}")
+        with torch.no_grad():
+            torch._foreach_copy_(views, list(flat.reshape(-1).split(self.sizes)))

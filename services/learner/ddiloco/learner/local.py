@@ -15,7 +15,7 @@ import time
 import torch
 
 from ddiloco.algorithm.learner_fragment import LearnerFragment
-from ddiloco.fragments.outer_gradient import gather, scatter
+from ddiloco.fragments.outer_gradient import BoundFragment
 from ddiloco.fragments.partition import FragmentLayout
 
 
@@ -25,6 +25,8 @@ class LocalFragments:
     def __init__(self, params: dict[str, torch.Tensor], layout: FragmentLayout, *, apply_policy: str,
                  mix_alpha: float, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.params, self.layout = params, layout
+        self.bound = [BoundFragment(f, params) for f in layout]
+        """Each fragment's gather and scatter, bound to ``params``."""
         self.apply_policy, self.mix_alpha, self.optimizer = apply_policy, mix_alpha, optimizer
         self.state: dict[int, LearnerFragment] = {}
         """Fragment -> its protocol state (from ``join`` on)."""
@@ -53,7 +55,7 @@ class LocalFragments:
 
     def values(self) -> dict[int, torch.Tensor]:
         """Every fragment's current values (a genesis upload)."""
-        return {f.index: gather(f, self.params) for f in self.layout}
+        return {f.index: self.bound[f.index].gather() for f in self.layout}
 
     def join(self, fetched: dict[int, tuple[int, torch.Tensor]], start_step: int) -> None:
         """Start from the fleet's ``fetched`` (fragment -> (version, values)) written into the
@@ -62,10 +64,10 @@ class LocalFragments:
         for frag in self.layout:
             if frag.index in fetched:
                 version, values = fetched[frag.index]
-                scatter(frag, values, self.params)
+                self.bound[frag.index].scatter(values)
                 state = LearnerFragment(frag.index, values.clone(), version)
             else:
-                state = LearnerFragment(frag.index, gather(frag, self.params))
+                state = LearnerFragment(frag.index, self.bound[frag.index].gather())
             state.window_start = start_step + 1
             self.state[frag.index] = state
 
@@ -81,7 +83,7 @@ class LocalFragments:
     def contribution(self, p: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(current values, outer gradient) of fragment ``p``; the gradient is None when not finite."""
         t0 = time.perf_counter()
-        current = gather(self.layout[p], self.params)
+        current = self.bound[p].gather()
         t0 = self.time("gather", t0)
         delta = self.state[p].contribution(current)
         self.time("outer_gradient", t0)
@@ -91,13 +93,12 @@ class LocalFragments:
         """Apply a merged fragment at the boundary before ``step``; the policy it was applied by,
         or None when ``version`` is not newer than the one held."""
         t0 = time.perf_counter()
-        frag = self.layout[p]
         policy = "overwrite" if resync else self.apply_policy
-        new = self.state[p].apply(policy, local=gather(frag, self.params), values=values, version=version,
+        new = self.state[p].apply(policy, local=self.bound[p].gather(), values=values, version=version,
                                   step=step, resync=resync, alpha=self.mix_alpha)
         if new is None:
             return None
-        scatter(frag, new, self.params)
+        self.bound[p].scatter(new)
         self.time("apply", t0)
         self.touched.setdefault(p, False)
         return policy
@@ -105,7 +106,7 @@ class LocalFragments:
     def heal(self, fragments: list[int], step: int) -> None:
         """Put ``fragments`` back to their base, with fresh optimizer moments and counters."""
         for p in fragments:
-            scatter(self.layout[p], self.state[p].heal(step), self.params)
+            self.bound[p].scatter(self.state[p].heal(step))
             self.drop_moments(p)
             self.touched[p] = True
 
