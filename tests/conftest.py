@@ -84,20 +84,21 @@ CONTAINERS = "tests/containers/"
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
-    """Mark each test with its tier. The container tests are sorted first: in one process their
-    engine (and its image layers) is stopped and removed before the process tests run; with
-    workers (``make test``) they start at once, on one worker (below), while the others take
-    the rest."""
+    """Mark each test with its tier. The container tests run last: their engine (and its gigabytes
+    of image layers) is stopped and removed when they end, so it never shares the machine with
+    the process tests (removing the layers while a chaos run wrote its state stalled that run's
+    synchronizer for 64 s, seen with two workers). With workers (``TEST_WORKERS=2``) they are one
+    unit for one worker (below), which xdist hands out first (the largest unit)."""
     for item in items:
         name = tier(item.nodeid)
         if name is not None:
             item.add_marker(getattr(pytest.mark, name))
-    items.sort(key=lambda item: not item.nodeid.startswith(CONTAINERS))
+    items.sort(key=lambda item: item.nodeid.startswith(CONTAINERS))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
-    """``make test``'s workers (pytest-xdist, ``--dist loadgroup``): each test a work unit of its
+    """``make test TEST_WORKERS=N`` (pytest-xdist, ``--dist loadgroup``): each test a work unit of its
     own, handed to whichever worker is free, except the container tests, one unit for one worker:
     they share one Docker engine, started by the first of them and stopped after the last.
     (xdist's own ``xdist_group`` marks are not used: with pytest 9 they are not applied.)"""

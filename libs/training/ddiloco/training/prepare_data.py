@@ -186,6 +186,20 @@ def _install(staged: Path, out: Path) -> None:
     _fsync_dir(out.parent)
 
 
+def _block_interrupts() -> set[int | signal.Signals] | None:
+    """Block SIGTERM and SIGINT in this thread (the main thread only, where their handlers run);
+    the previous mask, for ``_restore_interrupts``."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def _restore_interrupts(previous: set[int | signal.Signals] | None) -> None:
+    """Unblock what ``_block_interrupts`` blocked: one that came meanwhile is handled now."""
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 @contextlib.contextmanager
 def _terminate_cleanly() -> Iterator[None]:
     """SIGTERM raises SystemExit, so ``finally`` blocks remove partial output (main thread only)."""
@@ -226,8 +240,16 @@ def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", eval_modulus
         raise Refused(f"the tokenizer's vocab_size {tok.vocab_size} does not fit {dtype_name} "
                       "(ids up to 65535): use --dtype uint32 or auto")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staged = _staging_dir(out)
+    # A SIGTERM or Ctrl-C between the staging folder's creation and the ``try`` that removes it
+    # would leave it behind: they wait (blocked) until the folder is in the cleanup's hands.
+    masked = _block_interrupts()
     try:
+        staged = _staging_dir(out)
+    except BaseException:
+        _restore_interrupts(masked)
+        raise
+    try:
+        _restore_interrupts(masked)
         counts: dict[str, int] = {}
         files_meta: dict[str, dict[str, Any]] = {}
         for split, keys, name in (("train", train, TRAIN_FILE), ("eval", evals, EVAL_FILE)):
