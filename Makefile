@@ -39,12 +39,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/ddiloco run $(ARGS)
 
-# TEST_WORKERS=N: N workers (pytest-xdist; the container tests, which share one Docker engine, go
-# to one worker together: tests/conftest.py). Two finished the suite in 26 min where one process
-# takes 38 on 2 cores, but the container tests' teardown (gigabytes of image layers removed) then
-# runs beside the process tests and once stalled a chaos run's synchronizer for 64 s: the default
-# stays one process until that is kept apart.
-TEST_WORKERS ?= 0
+# TEST_WORKERS=N: N pytest-xdist workers (0: one process). The container tests, which share one
+# Docker engine, go to one worker together (tests/conftest.py); their engine's gigabytes of image
+# layers are removed only when the whole session has ended, never beside a running test. On
+# 2 cores two workers take about 26 minutes where one process takes 38.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 

@@ -17,6 +17,9 @@ A test's tier is decided here, by where it lives, not by marks in each file: ``E
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -81,14 +84,20 @@ def tier(nodeid: str) -> str | None:
 
 
 CONTAINERS = "tests/containers/"
+# The container tests' own engine keeps its data root (gigabytes of image layers) in ENGINE_DIR.
+# When that engine stops, the data root is moved into ENGINE_LEFTOVERS (a rename: instant) and
+# removed only when the whole session ends (pytest_sessionfinish below): removing the layers is
+# gigabytes of unlinks, and while it ran beside a chaos test on another worker, that run's
+# synchronizer (it fsyncs every commit before it broadcasts the merge) stalled for 64 s.
+ENGINE_DIR = pathlib.Path(tempfile.gettempdir()) / "ddiloco-dockerd"
+ENGINE_LEFTOVERS = ENGINE_DIR / "removed"
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
-    """Mark each test with its tier. The container tests run last: their engine (and its gigabytes
-    of image layers) is stopped and removed when they end, so it never shares the machine with
-    the process tests (removing the layers while a chaos run wrote its state stalled that run's
-    synchronizer for 64 s, seen with two workers). With workers (``TEST_WORKERS=2``) they are one
-    unit for one worker (below), which xdist hands out first (the largest unit)."""
+    """Mark each test with its tier. In one process the container tests run last (the engine and
+    its image builds never share the machine with the process tests); with workers
+    (``TEST_WORKERS``) they are one unit for one worker (below), which xdist hands out first (the
+    largest unit), beside the process tests on the others."""
     for item in items:
         name = tier(item.nodeid)
         if name is not None:
@@ -111,3 +120,12 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
             return CONTAINERS if nodeid.startswith(CONTAINERS) else nodeid
 
     return EngineGroup(config, log)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]
+    """Remove the container engine's data roots set aside during the session (ENGINE_LEFTOVERS),
+    once no test runs any more: in the one process, or in xdist's controller after every worker
+    ended (a worker's own session end may come while another worker still runs tests)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    shutil.rmtree(ENGINE_LEFTOVERS, ignore_errors=True)

@@ -5,7 +5,8 @@ starts its own ``dockerd`` on a socket of its own (installing Debian's ``docker.
 is missing and this runs as root) and stops it by its pid at the end. Its storage driver is
 ``overlay2`` where the temp folder's file system takes it (layers shared, not copied), else ``vfs``
 (every layer and every container a full copy: the image build takes several times longer);
-``DDILOCO_DOCKER_STORAGE_DRIVER`` picks one. Its data root is removed with it.
+``DDILOCO_DOCKER_STORAGE_DRIVER`` picks one. When it stops, its data root is set aside (moved,
+not yet removed) and removed when the test session ends (``tests/conftest.py``).
 
 Images:
 - ``hostroot``: an empty root file system (only mount points, the merged-/usr links and a
@@ -42,12 +43,12 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ddiloco.lab.procs import stop_processes
+from tests.conftest import ENGINE_DIR, ENGINE_LEFTOVERS
 
 if TYPE_CHECKING:
     from docker.client import DockerClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ENGINE_DIR = pathlib.Path(tempfile.gettempdir()) / "ddiloco-dockerd"
 HOSTROOT_TAG = "ddiloco-hostroot:1"
 BASE_TAG = "ddiloco-base:bookworm"
 
@@ -151,10 +152,25 @@ def docker_engine():
     finally:
         os.environ.pop("DOCKER_HOST", None)
         stop_processes([proc], grace_s=60)
-        # The engine's layers (gigabytes: torch in two images) go with it; the images are rebuilt
-        # from the checkout by the next run anyway.
-        shutil.rmtree(ENGINE_DIR / "data", ignore_errors=True)
-        shutil.rmtree(ENGINE_DIR / "exec", ignore_errors=True)
+        # The engine's layers (gigabytes: torch in two images) go with it, the images are rebuilt
+        # from the checkout by the next run anyway; removed when the session ends, not here.
+        set_aside(ENGINE_DIR)
+
+
+def set_aside(root: pathlib.Path, leftovers: pathlib.Path = ENGINE_LEFTOVERS) -> None:
+    """Move a stopped engine's data and exec roots out of ``root`` into ``leftovers``, which the
+    session's end removes; a root that cannot be moved (another file system) is removed now."""
+    for sub in ("data", "exec"):
+        path = root / sub
+        while is_mount_point(path):
+            subprocess.run(["umount", str(path)], capture_output=True, check=True, timeout=60)
+        if not path.exists():
+            continue
+        leftovers.mkdir(parents=True, exist_ok=True)
+        try:
+            path.rename(leftovers / f"{sub}-{os.getpid()}-{time.time_ns()}")
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove_leftovers(client: DockerClient) -> None:

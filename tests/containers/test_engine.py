@@ -1,4 +1,5 @@
-"""The container tests' own engine: a storage driver dockerd refuses is passed over, not fatal.
+"""The container tests' own engine: a storage driver dockerd refuses is passed over, not fatal;
+a stopped engine's roots are set aside for the session's end.
 
 The engine fixture tries ``overlay2`` first and falls back to ``vfs`` when dockerd exits at
 start-up. Here a real dockerd is given a driver it cannot load, on a root of its own (it never
@@ -10,11 +11,12 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import subprocess
 import tempfile
 
 import pytest
 
-from tests.containers.conftest import _install_engine, _start_engine, is_mount_point
+from tests.containers.conftest import _install_engine, _start_engine, is_mount_point, set_aside
 
 
 @pytest.fixture
@@ -45,3 +47,27 @@ def test_a_storage_driver_dockerd_refuses_is_passed_over_and_leaves_nothing_runn
         if pid:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+
+def test_a_stopped_engines_roots_are_moved_aside_whole_not_removed(engine_root, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("binding a folder onto itself, as dockerd does with its data root, needs root")
+    root = engine_root
+    (root / "data" / "overlay2").mkdir(parents=True)
+    (root / "data" / "overlay2" / "layer").write_text("a layer")
+    (root / "exec").mkdir()
+    subprocess.run(["mount", "--bind", str(root / "data"), str(root / "data")], check=True, timeout=60)
+    leftovers = tmp_path / "removed"
+
+    try:
+        set_aside(root, leftovers)
+    finally:
+        while is_mount_point(root / "data"):
+            subprocess.run(["umount", str(root / "data")], check=True, timeout=60)
+
+    assert not (root / "data").exists() and not (root / "exec").exists()
+    assert sorted(p.name.split("-")[0] for p in leftovers.iterdir()) == ["data", "exec"]
+    (data,) = leftovers.glob("data-*")
+    assert (data / "overlay2" / "layer").read_text() == "a layer", "moved whole, removed later"
+    set_aside(root, leftovers)  # nothing left to move
+    assert len(list(leftovers.iterdir())) == 2
