@@ -17,6 +17,9 @@ with DistributedDataParallel (gloo on CPU, NCCL on GPUs) and join as one learner
 streams its fragments, every rank applies the merged ones::
 
     torchrun --nproc-per-node 2 examples/own_loop.py --synchronizer 127.0.0.1:7000 --learner-id learner-2
+
+``--comm process`` runs the learner's communication in a process of its own (``comm="process"``),
+with one process or with ranks.
 """
 
 from __future__ import annotations
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-file")
     parser.add_argument("--min-step-s", type=float, default=0.0,
                         help="make every step last at least this long (a known pace, for tests)")
+    parser.add_argument("--comm", choices=("thread", "process"), default="thread",
+                        help="where the learner's communication runs: a thread of this process, or a "
+                             "process of its own (shared memory)")
     args = parser.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     document = read_document(args.config)
     sync = DecoupledSync(model, optimizer=opt, config={"protocol": document.get("protocol", {})},
                          synchronizer=args.synchronizer, learner_id=args.learner_id, steps=args.steps,
-                         event_log=args.event_log, join_timeout_s=60.0,
+                         event_log=args.event_log, join_timeout_s=60.0, comm=args.comm,
                          model_ref="hf:" + args.hf_config if args.hf_config else "own_loop:make_model")
     signal.signal(signal.SIGTERM, lambda *_: sync.drain())
     start = sync.join(resume=not args.no_resume)

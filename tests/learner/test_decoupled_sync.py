@@ -122,9 +122,11 @@ def test_an_in_process_loop_joins_merges_heals_and_a_second_loop_gets_the_global
         late = DecoupledSync(other, synchronizer=target, learner_id="loop-b", fragments=3, sync_every=4, steps=40,
                              join_timeout_s=60.0)
         try:
-            # a late learner starts at the fleet's progress: at least min(versions) x sync_every
+            # a late learner starts at the fleet's progress: at least min(versions) x sync_every, at
+            # most its own 40 steps (loop-a's last sends, merged after its step 40, may make the
+            # versions' progress 11 x 4 = 44 on a machine fast enough)
             start = late.join()
-            assert start is not None and 0 < min(late.versions.values()) * 4 <= start <= 40
+            assert start is not None and 0 < min(min(late.versions.values()) * 4, 40) <= start <= 40
             assert any(p.abs().sum() > 0 for p in other.parameters())
             # the global versions: at least what loop-a applied (its last sends merged after it finished)
             assert all(late.versions[f] >= v for f, v in sync.versions.items())
@@ -234,10 +236,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_two_rank_torchrun_learner_streams_once_and_keeps_its_ranks_identical(tmp_path):
+@pytest.mark.parametrize("comm", ["thread", "process"])
+def test_a_two_rank_torchrun_learner_streams_once_and_keeps_its_ranks_identical(tmp_path, comm):
     config = tmp_path / "own_loop.yaml"
     config.write_text("protocol: {num_fragments: 4, sync_every: 5, mode: decoupled}\n")
-    common = ["--config", str(config), "--steps", "30", "--no-resume", "--min-step-s", "0.05"]
+    common = ["--config", str(config), "--steps", "30", "--no-resume", "--min-step-s", "0.05", "--comm", comm]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with synchronizer(tmp_path, "--config", str(config), "--quorum", "1") as target:
         single = subprocess.Popen([sys.executable, str(EXAMPLE), "--synchronizer", target, "--learner-id", "learner-1",
@@ -267,6 +270,7 @@ def test_a_two_rank_torchrun_learner_streams_once_and_keeps_its_ranks_identical(
     events = _events(tmp_path / "ranks.jsonl")  # rank 0's only: the other ranks never connect
     kinds = [e["event"] for e in events]
     assert kinds.count("start") == 1 and kinds.count("connect") == 1
+    assert next(e for e in events if e["event"] == "start")["config"]["comm"] == comm
     sends = [e for e in events if e["event"] == "send"]
     assert len({(e["fragment"], e["sequence"]) for e in sends}) == len(sends) > 0
     assert all(e["tokens"] % (2 * 8 * 64) == 0 for e in sends)  # each contribution carries both ranks' tokens

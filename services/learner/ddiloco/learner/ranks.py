@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.fragments.outer_gradient import gather, scatter
-from ddiloco.fragments.partition import Fragment
+from ddiloco.fragments.outer_gradient import BoundFragment
 
 JOINED, DRAINED, FAILED = 1, 2, 3
 """How rank 0's join ended, as broadcast to the other ranks."""
@@ -63,12 +62,12 @@ class Ranks:
         header = self.broadcast_ints([outcome, start, *versions])
         return header[0], header[1], header[2:]
 
-    def share_fragment(self, frag: Fragment, params: dict[str, torch.Tensor]) -> None:
-        """Rank 0's values of ``frag`` into every rank's parameters."""
-        values = gather(frag, params) if self.leader else torch.empty(frag.numel, dtype=torch.float32)
+    def share_fragment(self, bound: BoundFragment) -> None:
+        """Rank 0's values of a fragment (bound to this rank's parameters) into every rank's."""
+        values = bound.gather() if self.leader else torch.empty(bound.fragment.numel, dtype=torch.float32)
         values = self.broadcast_tensor(values)
         if not self.leader:
-            scatter(frag, values, params)
+            bound.scatter(values)
 
     def lead(self, draining: bool, step: int, touched: dict[int, bool], versions: dict[int, int],
              num_fragments: int) -> None:

@@ -198,7 +198,7 @@ class DecoupledSync:
             return None
         self.step_count = self.start_step
         for frag in self.layout:  # every rank starts from rank 0's parameters (genesis or fetched)
-            self.ranks.share_fragment(frag, self.params)
+            self.ranks.share_fragment(self.local.bound[frag.index])
         if not self.ranks.leader:
             self.local.follow(versions)
         self.joined = True
@@ -335,13 +335,13 @@ class DecoupledSync:
         self.ranks.lead(self._agreed_drain, self.step_count, self.local.touched, self.versions,
                         self.layout.num_fragments)
         for p in sorted(self.local.touched):
-            self.ranks.share_fragment(self.layout[p], self.params)
+            self.ranks.share_fragment(self.local.bound[p])
 
     def _follow(self) -> None:
         """Any other rank: take rank 0's decisions and values for this boundary."""
         self._agreed_drain, self.step_count, touched = self.ranks.follow(self.layout.num_fragments)
         for p, healed, version in touched:
-            self.ranks.share_fragment(self.layout[p], self.params)
+            self.ranks.share_fragment(self.local.bound[p])
             self.local[p].version = version
             if healed:
                 self.local.drop_moments(p)
