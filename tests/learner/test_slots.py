@@ -146,6 +146,8 @@ def test_shared_values_cross_to_another_process_without_a_message() -> None:
         assert out.strip() == str([1.0, 2.5, 2.0**53])
         with pytest.raises(ValueError, match="2 values for 3"):
             shared.write([1.0, 2.0])
+        with pytest.raises(TypeError, match="numbers"):
+            shared.write([1.0, "2", 3.0])
         assert shared.read() == [1.0, 2.5, 2.0**53], "a refused write changes nothing"
         peer = SharedValues.attach(os.dup(shared.fd), 3)
         with pytest.raises(RuntimeError, match="only the owner"):
@@ -154,4 +156,45 @@ def test_shared_values_cross_to_another_process_without_a_message() -> None:
         with pytest.raises(ValueError, match="at least one"):
             SharedValues.create(0)
     finally:
+        shared.close()
+
+
+_VALUES_READER = textwrap.dedent("""
+    import sys, time
+    from ddiloco.learner.slots import SharedValues
+    shared = SharedValues.attach(int(sys.argv[1]), int(sys.argv[2]))
+    print("ready", flush=True)
+    reads = torn = 0
+    seen = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        values = shared.read()
+        reads += 1
+        torn += len(set(values)) != 1
+        seen.add(values[0])
+        if values[0] == -1.0:
+            break
+    print(reads, torn, len(seen), flush=True)
+""")
+
+
+def test_a_reader_in_another_process_never_sees_half_a_write() -> None:
+    size, writes = 64, 20_000
+    shared = SharedValues.create(size)
+    shared.write([0.0] * size)
+    reader = subprocess.Popen([sys.executable, "-c", _VALUES_READER, str(shared.fd), str(size)],
+                              pass_fds=(shared.fd,), stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+        for k in range(1, writes + 1):
+            shared.write([float(k)] * size)
+        shared.write([-1.0] * size)
+        out, _ = reader.communicate(timeout=120)
+        reads, torn, distinct = map(int, out.split())
+        assert reads >= 1 and torn == 0, f"{torn} of {reads} reads mixed two writes"
+        assert distinct >= 1
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
         shared.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -55,12 +56,16 @@ class SharedValues:
     """A few float64 values one process writes and another reads, in shared memory, with no
     message and no lock: the writer bumps a sequence number to odd before it writes and to even
     after; a reader retries a copy that saw it odd or changed (a sequence lock). Integers are
-    exact up to 2**53."""
+    exact up to 2**53. Read and written with ``struct`` straight on the mapping: one C call per
+    part, where torch's indexing took tens of microseconds a call (the writer runs once per inner
+    step on the training thread)."""
 
     def __init__(self, fd: int, size: int, *, owner: bool) -> None:
         self.fd, self.size, self.owner = fd, size, owner
         self.buf = mmap.mmap(fd, 8 * (size + 1))
-        self._all = torch.frombuffer(self.buf, dtype=torch.float64, count=size + 1)
+        # native format: each double is copied whole (memcpy), the sequence number in one store
+        self._seq_at = struct.Struct("@d")
+        self._values_at = struct.Struct(f"@{size}d")
         self._seq = 0
 
     @classmethod
@@ -79,24 +84,28 @@ class SharedValues:
             raise RuntimeError("only the owner writes shared values")
         if len(values) != self.size:
             raise ValueError(f"{len(values)} values for {self.size}")
+        try:
+            packed = self._values_at.pack(*values)  # before anything in the mapping changes
+        except struct.error as exc:
+            raise TypeError(f"shared values are numbers: {exc}") from exc
         self._seq += 1
-        self._all[0] = self._seq  # odd: being written
-        self._all[1:] = torch.tensor(values, dtype=torch.float64)
+        self._seq_at.pack_into(self.buf, 0, self._seq)  # odd: being written
+        self.buf[8:] = packed
         self._seq += 1
-        self._all[0] = self._seq
+        self._seq_at.pack_into(self.buf, 0, self._seq)
 
     def read(self, tries: int = 1000) -> list[float]:
         """A consistent copy of the values."""
         for _ in range(tries):
-            before = float(self._all[0])
-            values = self._all[1:].tolist()
-            if before == float(self._all[0]) and int(before) % 2 == 0:
+            (before,) = self._seq_at.unpack_from(self.buf, 0)
+            values = list(self._values_at.unpack_from(self.buf, 8))
+            (after,) = self._seq_at.unpack_from(self.buf, 0)
+            if before == after and int(before) % 2 == 0:
                 return values
             time.sleep(0)
         raise RuntimeError("shared values kept changing while being read")
 
     def close(self) -> None:
-        del self._all
         try:
             self.buf.close()
         finally:
