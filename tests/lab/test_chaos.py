@@ -226,10 +226,12 @@ def _step_s(tmp_path: pathlib.Path, learner: str) -> float:
 def _no_merge_waited_on_a_stopped_learner(tmp_path: pathlib.Path, others: list[str]) -> None:
     """What quorum 1 plus grace promises: a round waits for its first answer (at most one step of
     the others after the request), then for its grace window, never for a learner that does not
-    answer. 0.5 s of slack for a loaded machine's scheduling, against a 1 s window."""
+    answer. 1 s of slack for a loaded machine's scheduling (0.5 s was once exceeded by 2 ms with a
+    95th-percentile step of 143 ms, the test suite on two workers beside image builds), against
+    stops of 3 s, for which a round waiting on the stopped learner would wait."""
     step = max(_step_s(tmp_path, lid) for lid in others)
     for m in _merges(tmp_path):
-        assert m["wait_s"] <= m["grace_s"] + step + 0.5, (m, step)
+        assert m["wait_s"] <= m["grace_s"] + step + 1.0, (m, step)
 
 
 def test_a_stopped_learner_holds_no_merge_longer_than_the_grace_window(tmp_path):
