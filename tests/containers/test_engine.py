@@ -49,7 +49,7 @@ def test_a_storage_driver_dockerd_refuses_is_passed_over_and_leaves_nothing_runn
                 os.kill(pid, 0)
 
 
-def test_a_stopped_engines_roots_are_moved_aside_whole_not_removed(engine_root, tmp_path):
+def test_a_stopped_engines_roots_are_moved_aside_whole_not_removed(engine_root):
     if os.geteuid() != 0:
         pytest.skip("binding a folder onto itself, as dockerd does with its data root, needs root")
     root = engine_root
@@ -57,7 +57,7 @@ def test_a_stopped_engines_roots_are_moved_aside_whole_not_removed(engine_root, 
     (root / "data" / "overlay2" / "layer").write_text("a layer")
     (root / "exec").mkdir()
     subprocess.run(["mount", "--bind", str(root / "data"), str(root / "data")], check=True, timeout=60)
-    leftovers = tmp_path / "removed"
+    leftovers = root / "removed"  # on the engine root's file system, as ENGINE_LEFTOVERS is
 
     try:
         set_aside(root, leftovers)

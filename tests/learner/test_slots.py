@@ -164,17 +164,19 @@ _VALUES_READER = textwrap.dedent("""
     from ddiloco.learner.slots import SharedValues
     shared = SharedValues.attach(int(sys.argv[1]), int(sys.argv[2]))
     print("ready", flush=True)
-    reads = torn = 0
-    seen = set()
+    reads = torn = busy = 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        values = shared.read()
+        try:
+            values = shared.read()
+        except RuntimeError:  # every try overlapped a write (a writer much faster than this reader)
+            busy += 1
+            continue
         reads += 1
         torn += len(set(values)) != 1
-        seen.add(values[0])
         if values[0] == -1.0:
             break
-    print(reads, torn, len(seen), flush=True)
+    print(reads, torn, busy, flush=True)
 """)
 
 
@@ -183,16 +185,16 @@ def test_a_reader_in_another_process_never_sees_half_a_write() -> None:
     shared = SharedValues.create(size)
     shared.write([0.0] * size)
     reader = subprocess.Popen([sys.executable, "-c", _VALUES_READER, str(shared.fd), str(size)],
-                              pass_fds=(shared.fd,), stdout=subprocess.PIPE, text=True)
+                              pass_fds=(shared.fd,), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
         for k in range(1, writes + 1):
             shared.write([float(k)] * size)
         shared.write([-1.0] * size)
-        out, _ = reader.communicate(timeout=120)
-        reads, torn, distinct = map(int, out.split())
+        out, err = reader.communicate(timeout=120)
+        assert reader.returncode == 0, err[-3000:]
+        reads, torn, _busy = map(int, out.split())
         assert reads >= 1 and torn == 0, f"{torn} of {reads} reads mixed two writes"
-        assert distinct >= 1
     finally:
         if reader.poll() is None:
             reader.kill()

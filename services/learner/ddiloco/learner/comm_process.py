@@ -271,13 +271,14 @@ class ProcessComm:
                 self._died()
             return
         self._share_state()
-        assert self._poller is not None
+        poller = self._poller
+        assert poller is not None
         try:
-            ready = self._poller.poll(1000.0 * timeout_s)  # an end of file or an error reads as ready too
+            ready = poller.poll(1000.0 * max(0.0, timeout_s))  # an end of file or an error reads as ready too
             while ready:
                 for msg in pickle.loads(conn.recv_bytes()):  # the child writes what it has in one go
                     self._handle(msg, conn)
-                ready = self._poller.poll(0)
+                ready = poller.poll(0)
         except (EOFError, OSError):
             self._died()
 
