@@ -90,6 +90,13 @@ def is_mount_point(path: pathlib.Path) -> bool:
         return any(line.split()[1] == str(path) for line in mounts)
 
 
+def release_mounts(path: pathlib.Path) -> None:
+    """Unmount whatever is mounted on ``path`` (dockerd binds its data root onto itself, and a
+    root can be neither moved nor cleanly removed while that mount is there)."""
+    while is_mount_point(path):
+        subprocess.run(["umount", str(path)], capture_output=True, check=True, timeout=60)
+
+
 def _start_engine(root: pathlib.Path, driver: str) -> subprocess.Popen | None:
     """dockerd with ``driver`` on ``root``/docker.sock (its data, exec root, pid file and log in
     ``root`` too), once it answers; None when it exits first, as dockerd does at start-up with a
@@ -109,8 +116,7 @@ def _start_engine(root: pathlib.Path, driver: str) -> subprocess.Popen | None:
         if proc.poll() is not None:
             # dockerd binds its data root onto itself at start-up and leaves that mount behind when
             # it gives up: release it, or the root can be neither reused cleanly nor removed
-            while is_mount_point(root / "data"):
-                subprocess.run(["umount", str(root / "data")], capture_output=True, check=True, timeout=60)
+            release_mounts(root / "data")
             return None
         if time.monotonic() > deadline:
             stop_processes([proc], grace_s=60)
@@ -162,8 +168,7 @@ def set_aside(root: pathlib.Path, leftovers: pathlib.Path = ENGINE_LEFTOVERS) ->
     session's end removes; a root that cannot be moved (another file system) is removed now."""
     for sub in ("data", "exec"):
         path = root / sub
-        while is_mount_point(path):
-            subprocess.run(["umount", str(path)], capture_output=True, check=True, timeout=60)
+        release_mounts(path)
         if not path.exists():
             continue
         leftovers.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,13 @@ import tempfile
 
 import pytest
 
-from tests.containers.conftest import _install_engine, _start_engine, is_mount_point, set_aside
+from tests.containers.conftest import (
+    _install_engine,
+    _start_engine,
+    is_mount_point,
+    release_mounts,
+    set_aside,
+)
 
 
 @pytest.fixture
@@ -62,8 +68,7 @@ def test_a_stopped_engines_roots_are_moved_aside_whole_not_removed(engine_root):
     try:
         set_aside(root, leftovers)
     finally:
-        while is_mount_point(root / "data"):
-            subprocess.run(["umount", str(root / "data")], check=True, timeout=60)
+        release_mounts(root / "data")
 
     assert not (root / "data").exists() and not (root / "exec").exists()
     assert sorted(p.name.split("-")[0] for p in leftovers.iterdir()) == ["data", "exec"]
