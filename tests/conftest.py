@@ -85,12 +85,53 @@ def tier(nodeid: str) -> str | None:
 
 CONTAINERS = "tests/containers/"
 # The container tests' own engine keeps its data root (gigabytes of image layers) in ENGINE_DIR.
-# When that engine stops, the data root is moved into ENGINE_LEFTOVERS (a rename: instant) and
+# When that engine stops, the data root is moved into engine_leftovers() (a rename: instant) and
 # removed only when the whole session ends (pytest_sessionfinish below): removing the layers is
 # gigabytes of unlinks, and while it ran beside a chaos test on another worker, that run's
 # synchronizer (it fsyncs every commit before it broadcasts the merge) stalled for 64 s.
+# Each session sets aside into a folder of its own, named by the pid of its controlling process
+# (xdist's workers inherit it through SESSION_PID_ENV): a session that ends removes its own and
+# those of sessions no longer running (killed before their end), never a running session's.
 ENGINE_DIR = pathlib.Path(tempfile.gettempdir()) / "ddiloco-dockerd"
-ENGINE_LEFTOVERS = ENGINE_DIR / "removed"
+ENGINE_LEFTOVERS_ROOT = ENGINE_DIR / "removed"
+SESSION_PID_ENV = "DDILOCO_TEST_SESSION_PID"
+
+
+def session_pid() -> int:
+    """The pid of this test session's controlling process (this one when run without xdist)."""
+    return int(os.environ.get(SESSION_PID_ENV) or os.getpid())
+
+
+def engine_leftovers() -> pathlib.Path:
+    """Where this session's stopped engine roots are set aside until the session ends."""
+    return ENGINE_LEFTOVERS_ROOT / str(session_pid())
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
+
+
+def remove_set_aside(root: pathlib.Path, own_pid: int) -> list[pathlib.Path]:
+    """Remove ``root``'s folder of session ``own_pid`` and those of sessions no longer running;
+    a folder of a running session, or one not named by a pid, stays. Returns what was removed."""
+    removed = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if not folder.name.isdigit() or (int(folder.name) != own_pid and _running(int(folder.name))):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def pytest_configure(config) -> None:  # type: ignore[no-untyped-def]
+    if not hasattr(config, "workerinput"):  # the controller (or the one process): workers inherit it
+        os.environ[SESSION_PID_ENV] = str(os.getpid())
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
@@ -123,9 +164,10 @@ def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]
-    """Remove the container engine's data roots set aside during the session (ENGINE_LEFTOVERS),
+    """Remove the container engine's data roots set aside during the session (``engine_leftovers()``),
     once no test runs any more: in the one process, or in xdist's controller after every worker
-    ended (a worker's own session end may come while another worker still runs tests)."""
+    ended (a worker's own session end may come while another worker still runs tests). Those of
+    sessions killed before their end go too; those of a session still running stay."""
     if hasattr(session.config, "workerinput"):
         return
-    shutil.rmtree(ENGINE_LEFTOVERS, ignore_errors=True)
+    remove_set_aside(ENGINE_LEFTOVERS_ROOT, session_pid())

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ddiloco.lab.procs import stop_processes
-from tests.conftest import ENGINE_DIR, ENGINE_LEFTOVERS
+from tests.conftest import ENGINE_DIR, engine_leftovers
 
 if TYPE_CHECKING:
     from docker.client import DockerClient
@@ -163,9 +163,11 @@ def docker_engine():
         set_aside(ENGINE_DIR)
 
 
-def set_aside(root: pathlib.Path, leftovers: pathlib.Path = ENGINE_LEFTOVERS) -> None:
-    """Move a stopped engine's data and exec roots out of ``root`` into ``leftovers``, which the
-    session's end removes; a root that cannot be moved (another file system) is removed now."""
+def set_aside(root: pathlib.Path, leftovers: pathlib.Path | None = None) -> None:
+    """Move a stopped engine's data and exec roots out of ``root`` into ``leftovers`` (default:
+    this session's ``engine_leftovers()``), which the session's end removes; a root that cannot be
+    moved (another file system) is removed now."""
+    leftovers = leftovers or engine_leftovers()
     for sub in ("data", "exec"):
         path = root / sub
         release_mounts(path)

@@ -1,5 +1,5 @@
 """The container tests' own engine: a storage driver dockerd refuses is passed over, not fatal;
-a stopped engine's roots are set aside for the session's end.
+a stopped engine's roots are set aside for the session's end, in a folder of the session's own.
 
 The engine fixture tries ``overlay2`` first and falls back to ``vfs`` when dockerd exits at
 start-up. Here a real dockerd is given a driver it cannot load, on a root of its own (it never
@@ -16,6 +16,7 @@ import tempfile
 
 import pytest
 
+from tests.conftest import ENGINE_LEFTOVERS_ROOT, SESSION_PID_ENV, engine_leftovers, remove_set_aside
 from tests.containers.conftest import (
     _install_engine,
     _start_engine,
@@ -63,7 +64,7 @@ def test_a_stopped_engines_roots_are_moved_aside_whole_not_removed(engine_root):
     (root / "data" / "overlay2" / "layer").write_text("a layer")
     (root / "exec").mkdir()
     subprocess.run(["mount", "--bind", str(root / "data"), str(root / "data")], check=True, timeout=60)
-    leftovers = root / "removed"  # on the engine root's file system, as ENGINE_LEFTOVERS is
+    leftovers = root / "removed"  # on the engine root's file system, as engine_leftovers() is
 
     try:
         set_aside(root, leftovers)
@@ -76,3 +77,32 @@ def test_a_stopped_engines_roots_are_moved_aside_whole_not_removed(engine_root):
     assert (data / "overlay2" / "layer").read_text() == "a layer", "moved whole, removed later"
     set_aside(root, leftovers)  # nothing left to move
     assert len(list(leftovers.iterdir())) == 2
+
+
+def test_a_session_removes_its_own_and_ended_sessions_set_aside_roots_never_a_running_ones(tmp_path):
+    root = tmp_path / "removed"
+    running = subprocess.Popen(["sleep", "120"])
+    ended = subprocess.Popen(["true"])
+    ended.wait(timeout=60)
+    try:
+        for name in (str(os.getpid()), str(running.pid), str(ended.pid), "not-a-session"):
+            (root / name / "data-1").mkdir(parents=True)
+            (root / name / "data-1" / "layer").write_text("a layer")
+
+        removed = remove_set_aside(root, os.getpid())
+
+        assert sorted(p.name for p in removed) == sorted([str(os.getpid()), str(ended.pid)])
+        assert sorted(p.name for p in root.iterdir()) == sorted([str(running.pid), "not-a-session"])
+        assert (root / str(running.pid) / "data-1" / "layer").read_text() == "a layer", "a running session's stay"
+    finally:
+        running.kill()
+        running.wait(timeout=60)
+    assert remove_set_aside(root, os.getpid()) == [root / str(running.pid)], "ended since: removed"
+    assert remove_set_aside(tmp_path / "never-made", os.getpid()) == []
+
+
+def test_this_sessions_roots_are_set_aside_under_its_controlling_process():
+    folder = engine_leftovers()
+    assert folder.parent == ENGINE_LEFTOVERS_ROOT
+    assert folder.name == os.environ[SESSION_PID_ENV], "set by the controller, inherited by xdist's workers"
+    os.kill(int(folder.name), 0)  # the controlling process is this one or this worker's controller
