@@ -140,15 +140,18 @@ class LearnerFragment:
         self.steps -= self.sent.counters[1]
         return True
 
-    def due(self, step: int, schedule: FragmentSchedule, *, resync: bool) -> bool:
+    def due(self, step: int, schedule: FragmentSchedule, *, resync: bool, on_arrival: bool = False) -> bool:
         """Whether a merged fragment that arrived may be applied at the boundary before ``step``.
         A resync (after a heal or a rejoin) applies at once. A merge of other learners'
         contributions that arrives before this learner's own was sent waits until it is on its
         way, so no unsent local progress is thrown away; a merge of its own waits ``tau`` steps
-        after the send."""
+        after the send, or, ``on_arrival``, one step at least (it applies at the first boundary
+        after it arrived: the staleness is the round's real latency, not the budget ``tau``)."""
         if resync:
             return True
-        return self.sent is not None and step > schedule.apply_step(self.sent.step)
+        if self.sent is None:
+            return False
+        return step > (self.sent.step + 1 if on_arrival else schedule.apply_step(self.sent.step))
 
     def apply(self, policy: str, *, local: torch.Tensor, values: torch.Tensor, version: int, step: int,
               resync: bool = False, alpha: float = 0.5) -> torch.Tensor | None:

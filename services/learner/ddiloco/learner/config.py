@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic.dataclasses import dataclass
 
 from ddiloco.core.config import STRICT, ConfigError, build, check_sections
-from ddiloco.core.modes import apply_mode
+from ddiloco.core.modes import apply_mode, preset
 from ddiloco.fragments.codec_names import CodecName
 from ddiloco.protocol.config import ProtocolConfig
 from ddiloco.protocol.credentials import Credentials, read_token
@@ -62,6 +62,13 @@ class LearnerConfig:
     that overwrite throws away."""
     mix_alpha: float = 0.5
     """alpha of the mix policy."""
+    apply_at: Literal["tau", "arrival"] = "tau"
+    """When a merge of this learner's contribution is applied (decoupled mode): ``tau`` steps after
+    the send (the protocol's overlap, which also sizes the synchronizer's grace window), or at the
+    first step boundary after it arrived, one step after the send at the earliest (``arrival``:
+    merges that come back early land less stale; the grace window keeps its budget). In the modes
+    where learners wait for merges they wait ``tau`` steps: ``arrival`` is refused there.
+    Measurements in docs/quality.md (section 6b)."""
     speed: float = 1.0
     """For experiments with unequal hardware: run at this fraction of full speed (0.5: every inner
     step takes twice as long), by waiting after each step. 1: no waiting."""
@@ -126,6 +133,9 @@ class LearnerConfig:
             raise ValueError(f"min_step_s must be in [0, 60] seconds, got {self.min_step_s}")
         if not 0 <= self.mix_alpha <= 1:
             raise ValueError(f"mix_alpha must be in [0, 1], got {self.mix_alpha}")
+        if self.apply_at == "arrival" and preset(self.protocol.mode).learners_wait:
+            raise ValueError(f"apply_at: arrival is for the decoupled mode; in {self.protocol.mode} mode "
+                             f"learners wait for each merge tau steps after the send (apply_at: tau)")
         if (self.heartbeat_s <= 0 or self.wait_timeout_s <= 0 or self.join_timeout_s <= 0
                 or self.reconnect_max_s < 0.1):
             raise ValueError("heartbeat_s, wait_timeout_s and join_timeout_s must be > 0 and reconnect_max_s >= 0.1")

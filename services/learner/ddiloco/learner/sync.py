@@ -452,7 +452,7 @@ class DecoupledSync:
                         blocked += time.perf_counter() - t0
         self.pending.update(self.comm.take_arrivals())
         for p, arrival in list(self.pending.items()):
-            if self.local[p].due(step, self.schedule, resync=arrival.resync):
+            if self.local[p].due(step, self.schedule, resync=arrival.resync, on_arrival=self.cfg.apply_at == "arrival"):
                 del self.pending[p]
                 policy = self.local.apply(p, arrival.values, arrival.version, step, resync=arrival.resync)
                 if policy is not None:
