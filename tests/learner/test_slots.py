@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -195,6 +197,48 @@ def test_a_reader_in_another_process_never_sees_half_a_write() -> None:
         assert reader.returncode == 0, err[-3000:]
         reads, torn, _busy = map(int, out.split())
         assert reads >= 1 and torn == 0, f"{torn} of {reads} reads mixed two writes"
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+        shared.close()
+
+
+_SEQUENCE_READER = textwrap.dedent("""
+    import mmap, struct, sys, time
+    buf = mmap.mmap(int(sys.argv[1]), 8)  # the sequence number: the first double of the mapping
+    at = struct.Struct("@d")
+    print("ready", flush=True)
+    reads = backwards = 0
+    last = at.unpack_from(buf, 0)[0]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and last >= 0:
+        for _ in range(1000):
+            seq = at.unpack_from(buf, 0)[0]
+            reads += 1
+            backwards += 0 <= seq < last
+            last = seq
+    print(reads, backwards, flush=True)
+""")
+
+
+def test_a_reader_never_sees_the_sequence_number_go_back():
+    """The sequence lock's number only grows: a reader that saw it go back (a half-stored number,
+    such as the zeros struct.pack_into writes before it packs) could take a torn copy as whole."""
+    shared = SharedValues.create(4)
+    reader = subprocess.Popen([sys.executable, "-c", _SEQUENCE_READER, str(shared.fd)], pass_fds=(shared.fd,),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for _ in range(1000):
+                shared.write([1.0, 2.0, 3.0, 4.0])
+        shared.buf[0:8] = struct.pack("@d", -1.0)  # tells the reader to stop
+        out, err = reader.communicate(timeout=120)
+        assert reader.returncode == 0, err[-3000:]
+        reads, backwards = map(int, out.split())
+        assert reads >= 1000 and backwards == 0, f"the sequence number went back {backwards} times in {reads} reads"
     finally:
         if reader.poll() is None:
             reader.kill()

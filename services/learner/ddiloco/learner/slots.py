@@ -63,7 +63,7 @@ class SharedValues:
     def __init__(self, fd: int, size: int, *, owner: bool) -> None:
         self.fd, self.size, self.owner = fd, size, owner
         self.buf = mmap.mmap(fd, 8 * (size + 1))
-        # native format: each double is copied whole (memcpy), the sequence number in one store
+        # native format: each double is copied whole (memcpy)
         self._seq_at = struct.Struct("@d")
         self._values_at = struct.Struct(f"@{size}d")
         self._seq = 0
@@ -88,11 +88,14 @@ class SharedValues:
             packed = self._values_at.pack(*values)  # before anything in the mapping changes
         except struct.error as exc:
             raise TypeError(f"shared values are numbers: {exc}") from exc
+        # The sequence number is copied in whole (a slice copy of 8 bytes). Not pack_into: it fills
+        # the field with zeros before it packs, and a reader that saw that 0 (even) before and
+        # after a copy of the values took a half-written copy as consistent.
         self._seq += 1
-        self._seq_at.pack_into(self.buf, 0, self._seq)  # odd: being written
+        self.buf[0:8] = self._seq_at.pack(self._seq)  # odd: being written
         self.buf[8:] = packed
         self._seq += 1
-        self._seq_at.pack_into(self.buf, 0, self._seq)
+        self.buf[0:8] = self._seq_at.pack(self._seq)
 
     def read(self, tries: int = 1000) -> list[float]:
         """A consistent copy of the values."""
