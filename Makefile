@@ -42,7 +42,7 @@ run: $(STAMP)
 # TEST_WORKERS=N: N pytest-xdist workers (0: one process, the default). The container tests, which
 # share one Docker engine, go to one worker together (tests/conftest.py); their engine's gigabytes
 # of image layers are removed only when the whole session has ended, never beside a running test.
-# On 2 cores two workers took 28-33 minutes where one process takes 38, but the chaos tests'
+# On a shared 2-core machine two workers took 28-33 minutes where one process took 38, but the chaos tests'
 # timing bounds then share the CPU with image builds (one exceeded its slack by 2 ms): opt-in.
 TEST_WORKERS ?= 0
 test: $(STAMP)
