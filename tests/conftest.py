@@ -25,6 +25,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from ddiloco.lab.procs import running
+
 # Two cores here: keep torch from oversubscribing when tests start several processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("DDILOCO_LOG_JSON", "1")
@@ -107,22 +109,12 @@ def engine_leftovers() -> pathlib.Path:
     return ENGINE_LEFTOVERS_ROOT / str(session_pid())
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: running
-        return True
-    return True
-
-
 def remove_set_aside(root: pathlib.Path, own_pid: int) -> list[pathlib.Path]:
     """Remove ``root``'s folder of session ``own_pid`` and those of sessions no longer running;
     a folder of a running session, or one not named by a pid, stays. Returns what was removed."""
     removed = []
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if not folder.name.isdigit() or (int(folder.name) != own_pid and _running(int(folder.name))):
+        if not folder.name.isdigit() or (int(folder.name) != own_pid and running(int(folder.name))):
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)

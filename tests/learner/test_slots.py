@@ -3,6 +3,7 @@ and a peer killed while holding slots costs nothing but a reclaim."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import struct
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -161,6 +163,29 @@ def test_shared_values_cross_to_another_process_without_a_message() -> None:
         shared.close()
 
 
+@contextlib.contextmanager
+def _reader(script: str, shared: SharedValues, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``script`` reading ``shared`` in another process (its fd, then ``args``), once it printed
+    "ready"; killed if it still runs at the end, and ``shared`` closed."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(shared.fd), *args], pass_fds=(shared.fd,),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shared.close()
+
+
+def _counts(proc: subprocess.Popen[str]) -> list[int]:
+    """The numbers a reader printed when it ended (it must end cleanly)."""
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    return [int(x) for x in out.split()]
+
+
 _VALUES_READER = textwrap.dedent("""
     import sys, time
     from ddiloco.learner.slots import SharedValues
@@ -186,22 +211,12 @@ def test_a_reader_in_another_process_never_sees_half_a_write() -> None:
     size, writes = 64, 20_000
     shared = SharedValues.create(size)
     shared.write([0.0] * size)
-    reader = subprocess.Popen([sys.executable, "-c", _VALUES_READER, str(shared.fd), str(size)],
-                              pass_fds=(shared.fd,), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+    with _reader(_VALUES_READER, shared, str(size)) as reader:
         for k in range(1, writes + 1):
             shared.write([float(k)] * size)
         shared.write([-1.0] * size)
-        out, err = reader.communicate(timeout=120)
-        assert reader.returncode == 0, err[-3000:]
-        reads, torn, _busy = map(int, out.split())
+        reads, torn, _busy = _counts(reader)
         assert reads >= 1 and torn == 0, f"{torn} of {reads} reads mixed two writes"
-    finally:
-        if reader.poll() is None:
-            reader.kill()
-            reader.wait()
-        shared.close()
 
 
 _SEQUENCE_READER = textwrap.dedent("""
@@ -226,21 +241,11 @@ def test_a_reader_never_sees_the_sequence_number_go_back():
     """The sequence lock's number only grows: a reader that saw it go back (a half-stored number,
     such as the zeros struct.pack_into writes before it packs) could take a torn copy as whole."""
     shared = SharedValues.create(4)
-    reader = subprocess.Popen([sys.executable, "-c", _SEQUENCE_READER, str(shared.fd)], pass_fds=(shared.fd,),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+    with _reader(_SEQUENCE_READER, shared) as reader:
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             for _ in range(1000):
                 shared.write([1.0, 2.0, 3.0, 4.0])
         shared.buf[0:8] = struct.pack("@d", -1.0)  # tells the reader to stop
-        out, err = reader.communicate(timeout=120)
-        assert reader.returncode == 0, err[-3000:]
-        reads, backwards = map(int, out.split())
+        reads, backwards = _counts(reader)
         assert reads >= 1000 and backwards == 0, f"the sequence number went back {backwards} times in {reads} reads"
-    finally:
-        if reader.poll() is None:
-            reader.kill()
-            reader.wait()
-        shared.close()

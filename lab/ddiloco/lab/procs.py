@@ -1,10 +1,11 @@
 """What the lab's commands share about the processes they start: a free loopback port, SIGTERM
-that unwinds like Ctrl-C (so ``finally`` blocks stop the children), and stopping children by pid
-with a grace period before SIGKILL."""
+that unwinds like Ctrl-C (so ``finally`` blocks stop the children), whether a pid still runs, and
+stopping children by pid with a grace period before SIGKILL."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -19,6 +20,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts: signalling it is refused, not unknown)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def exit_on_sigterm() -> None:

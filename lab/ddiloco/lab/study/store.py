@@ -25,6 +25,7 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
+from ddiloco.lab.procs import running
 from ddiloco.lab.study.case import Case
 
 
@@ -127,12 +128,4 @@ def _holder_alive(lock: pathlib.Path) -> bool:
         pid = int(lock.read_text().strip() or "0")
     except (OSError, ValueError):
         return False
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid > 0 and running(pid)
