@@ -1,6 +1,6 @@
 """``apply_at``: a merge of the learner's own contribution applied ``tau`` steps after the send (the
 protocol's overlap) or at the first boundary after it arrived, one step after the send at the
-earliest (``arrival``), against a real synchronizer on loopback."""
+earliest (``arrival``, the decoupled mode's default), against a real synchronizer on loopback."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from ddiloco.algorithm.learner_fragment import LearnerFragment
 from ddiloco.fragments.schedule import FragmentSchedule
+from ddiloco.learner.config import learner_config
 from ddiloco.learner.sync import DecoupledSync, SyncError
 from tests.learner.test_decoupled_sync import _events, _mlp, fleet
 
@@ -36,10 +37,20 @@ def test_arrival_is_refused_where_learners_wait_for_merges_and_a_bad_value_is_na
     DecoupledSync(_mlp(), synchronizer="127.0.0.1:9", fragments=2, sync_every=4, apply_at="arrival").close()
 
 
-def _sends_and_applies(tmp_path, apply_at: str) -> list[tuple[int, int]]:
-    """(send step, apply step) of each merge of a learner's own contribution applied while it trained
-    (the hand-over's at the last step comes back after training ended), tau = 2."""
-    with fleet(tmp_path, apply_at=apply_at, steps=16) as (_, sync, model, opt, log):
+def test_the_default_is_the_modes_arrival_in_decoupled_tau_where_learners_wait():
+    assert learner_config({}).apply_at is None
+    assert learner_config({}).applies_on_arrival, "decoupled mode applies merges on arrival by default"
+    for mode in ("streaming", "diloco"):
+        assert not learner_config({"protocol": {"mode": mode}}).applies_on_arrival, mode
+    assert not learner_config({"learner": {"apply_at": "tau"}}).applies_on_arrival, "a set value wins"
+    assert learner_config({"learner": {"apply_at": "arrival"}}).applies_on_arrival
+
+
+def _sends_and_applies(tmp_path, **settings) -> tuple[str, list[tuple[int, int]]]:
+    """The start event's ``apply_at``, and (send step, apply step) of each merge of a learner's own
+    contribution applied while it trained (the hand-over's at the last step comes back after training
+    ended), tau = 2."""
+    with fleet(tmp_path, steps=16, **settings) as (_, sync, model, opt, log):
         gen = torch.Generator().manual_seed(0)
         assert sync.join() == 0
         for _ in range(16):
@@ -58,11 +69,12 @@ def _sends_and_applies(tmp_path, apply_at: str) -> list[tuple[int, int]]:
             sent = [s["step"] for s in events if s["event"] == "send" and s["fragment"] == e["fragment"]
                     and s["step"] < e["step"]]
             pairs.append((sent[-1], e["step"]))
-    return pairs
+    return next(e for e in events if e["event"] == "start")["apply_at"], pairs
 
 
-def test_on_arrival_a_merge_that_came_back_within_a_step_applies_a_step_after_the_send(tmp_path):
-    pairs = _sends_and_applies(tmp_path, "arrival")
+def test_on_arrival_the_default_a_merge_that_came_back_within_a_step_applies_a_step_after_the_send(tmp_path):
+    rule, pairs = _sends_and_applies(tmp_path)
+    assert rule == "arrival", "the start event names the rule the default resolved to"
     assert pairs, "merges were applied"
     # the apply event names the boundary before the next step: send step + 2 is one step later
     assert all(applied >= sent + 2 for sent, applied in pairs), str(pairs)
@@ -71,6 +83,7 @@ def test_on_arrival_a_merge_that_came_back_within_a_step_applies_a_step_after_th
 
 
 def test_at_tau_a_merge_waits_tau_steps_however_early_it_came_back(tmp_path):
-    pairs = _sends_and_applies(tmp_path, "tau")
+    rule, pairs = _sends_and_applies(tmp_path, apply_at="tau")
+    assert rule == "tau"
     assert pairs, "merges were applied"
     assert all(applied >= sent + 3 for sent, applied in pairs), str(pairs)  # tau = 2

@@ -7,8 +7,12 @@ Decisions:
   measured, two sweeps that ask for the same case share one result, and changing a default
   never silently reuses a result computed under the old one (the file holds every setting, and
   ``matches`` compares them all).
-- **The defaults are the system's defaults** (learner, protocol, synchronizer and the local
-  run's data settings), so ``decoupled`` with no settings is what ``ddiloco run`` trains.
+- **The defaults are the system's defaults of the study's stages** (learner, protocol,
+  synchronizer and the local run's data settings), so ``decoupled`` with no settings is what
+  ``ddiloco run`` trained when they ran. The system has since taken inner lr 4.5e-3 and applies
+  merges on arrival (``learner.apply_at``, which the reference does not model): today's default
+  is the case ``decoupled:inner_lr=4.5e-3:overlap=1``. The case defaults stay, so every result
+  keeps its name.
 - **Data sharding is a setting.** ``shards: 0`` gives each learner 1/M of the training data (as
   the data-parallel reference, which samples all of it, and as ``ddiloco run``, which starts its
   learners with ``--num-shards M``); a deployment keeps the learner's ``num_shards`` (8 by

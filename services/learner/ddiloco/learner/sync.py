@@ -238,7 +238,8 @@ class DecoupledSync:
         self.events.emit(schema.START, start_step=self.start_step, num_fragments=self.layout.num_fragments,
                          fragment_sizes=[f.numel for f in self.layout], params=params,
                          genesis=join.genesis, versions=self.versions, mode=self.cfg.protocol.mode,
-                         apply_policy=self.cfg.apply_policy, config=to_dict(self.cfg, redact=True), **start_fields)
+                         apply_policy=self.cfg.apply_policy,
+                         apply_at="arrival" if self.cfg.applies_on_arrival else "tau", config=to_dict(self.cfg, redact=True), **start_fields)
         self.log.info("joined", genesis=join.genesis, params=params, start_step=self.start_step,
                       fragments=self.layout.num_fragments)
         self._last_end = time.perf_counter()
@@ -452,7 +453,7 @@ class DecoupledSync:
                         blocked += time.perf_counter() - t0
         self.pending.update(self.comm.take_arrivals())
         for p, arrival in list(self.pending.items()):
-            if self.local[p].due(step, self.schedule, resync=arrival.resync, on_arrival=self.cfg.apply_at == "arrival"):
+            if self.local[p].due(step, self.schedule, resync=arrival.resync, on_arrival=self.cfg.applies_on_arrival):
                 del self.pending[p]
                 policy = self.local.apply(p, arrival.values, arrival.version, step, resync=arrival.resync)
                 if policy is not None:
