@@ -24,9 +24,11 @@ def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
 
 def test_tiny_run_reports_overhead_and_phases(tmp_path):
     out, work = tmp_path / "learner.json", tmp_path / "work"
+    # A floor of 25 ms a step: the timed phase lasts 0.4 s however fast this machine's tiny steps are
+    # (about 3 ms here; 16 of them once left a loaded synchronizer's requests no time to arrive).
     proc = _bench("--json", "--out", str(out), "--workdir", str(work), "--d-model", "32", "--n-layer", "2",
                   "--context", "32", "--batch-size", "4", "--steps", "16", "--warmup", "4", "--repeats", "1",
-                  "--fragments", "4", "--sync-every", "4", "--overlap", "1", "--threads", "1")
+                  "--fragments", "4", "--sync-every", "4", "--overlap", "1", "--threads", "1", "--min-step-ms", "25")
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)
     assert printed == json.loads(out.read_text())
@@ -36,6 +38,7 @@ def test_tiny_run_reports_overhead_and_phases(tmp_path):
     assert printed["goal"] == 0.02 and printed["meets_goal"] == (printed["overhead"] < 0.02)
     assert printed["protocol"] == {"num_fragments": 4, "sync_every": 4, "overlap": 1}
     assert printed["model"]["d_model"] == 32 and printed["steps"] == 16 and printed["threads"] == 1
+    assert printed["min_step_ms"] == 25 and printed["step_ms"] >= 25 and printed["step_ms_on"] >= 25
     phases = printed["per_fragment_ms"]
     assert set(phases) == {"gather", "outer_gradient", "handoff", "apply", "encode", "decode"}
     assert all(ms >= 0 for ms in phases.values())
@@ -54,7 +57,8 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys, monkey
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)  # refused here, before any re-run child
     work, out = tmp_path / "work", tmp_path / "learner.json"
     for args in (["--steps", "0"], ["--repeats", "0"], ["--warmup", "-1"], ["--d-model", "30", "--n-head", "4"],
-                 ["--overlap", "30", "--sync-every", "4"], ["--fragments", "500"], ["--comm", "socket"]):
+                 ["--overlap", "30", "--sync-every", "4"], ["--fragments", "500"], ["--comm", "socket"],
+                 ["--min-step-ms", "-1"], ["--min-step-ms", "nan"]):
         with pytest.raises(SystemExit) as exit_info:
             learner_bench.main([*args, "--workdir", str(work), "--out", str(out)])
         err = capsys.readouterr().err
@@ -161,7 +165,7 @@ def test_a_run_with_the_communication_in_a_process(tmp_path):
     out = tmp_path / "learner.json"
     proc = _bench("--json", "--out", str(out), "--d-model", "32", "--n-layer", "2", "--context", "32",
                   "--batch-size", "4", "--steps", "16", "--warmup", "4", "--repeats", "1", "--fragments", "4",
-                  "--sync-every", "4", "--overlap", "1", "--threads", "1", "--comm", "process")
+                  "--sync-every", "4", "--overlap", "1", "--threads", "1", "--comm", "process", "--min-step-ms", "25")
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)
     assert printed["comm"] == "process" and math.isfinite(printed["overhead"])

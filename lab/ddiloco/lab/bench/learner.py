@@ -33,6 +33,11 @@ machine's CPUs take from each other: before the repeats, ``--pin`` times inner s
 other CPUs idle, busy (a Python loop on each), and idle again, and reports the slowdown
 (``pinning.neighbour``), which no change to the learner would remove.
 
+``--min-step-ms`` gives every inner step a floor, with synchronisation and without it alike (the
+step sleeps out the rest, as ``learner.min_step_s`` does): the overhead at a step time this
+machine's model does not have (a larger model's, a GPU's), and a pace that does not depend on
+the machine, so that the synchronizer's requests reach a short timed phase on any machine.
+
 The learner runs with the environment a learner service runs with (glibc's transparent-huge-page
 tunable): where this process was started without it, the benchmark runs again in a child that has
 it (``--huge-pages off``: the environment as it is).
@@ -43,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pathlib
 import platform
@@ -248,6 +254,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[A
 
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.batch_size < 1 or args.threads < 0:
         parser.error("need --steps >= 1, --warmup >= 0, --repeats >= 1, --batch-size >= 1, --threads >= 0")
+    if not (math.isfinite(args.min_step_ms) and 0 <= args.min_step_ms <= 60_000):
+        parser.error(f"--min-step-ms must be in [0, 60000], got {args.min_step_ms}")
     if args.pin:
         if not (hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")):
             parser.error("--pin needs Linux (per-thread CPU affinity)")
@@ -295,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="learner.comm: the communication in a thread of this process, or in a process of its "
                         "own (its CPU is counted as this learner's)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the CPUs this process may use)")
+    parser.add_argument("--min-step-ms", type=float, default=0.0,
+                        help="every inner step, with synchronisation and without, takes at least this long (it "
+                        "sleeps out the rest): the overhead at a longer step time, a pace independent of the "
+                        "machine (default 0: no floor)")
     parser.add_argument("--pin", action="store_true", help="training on the first --threads CPUs (default: "
                         "all but one), the synchronizer and the communication threads on the rest (Linux)")
     parser.add_argument("--workdir", help="folder for the synchronizer's config, state and log (default: a "
@@ -336,9 +348,16 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
     gen = torch.Generator().manual_seed(0)
     tokens = args.batch_size * model_cfg.context
 
+    floor_s = args.min_step_ms / 1e3
+
     def inner_step() -> float:
+        start = time.perf_counter()
         window = torch.randint(0, model_cfg.vocab_size, (args.batch_size, model_cfg.context + 1), generator=gen)
         loss, _ = loop.step(window[:, :-1], window[:, 1:])
+        if floor_s:
+            rest = floor_s - (time.perf_counter() - start)
+            if rest > 0:
+                time.sleep(rest)
         return loss
 
     phases: list[Phase] = []
@@ -442,6 +461,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         "model": {"d_model": model_cfg.d_model, "n_layer": model_cfg.n_layer, "n_head": model_cfg.n_head,
                   "context": model_cfg.context, "params": num_params(model)},
         "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "min_step_ms": args.min_step_ms,
         "protocol": protocol, "codec": args.codec, "comm": args.comm,
         "steps_per_s_off": off, "steps_per_s_on": on, "step_ms": 1e3 / off, "step_ms_on": 1e3 / on,
         "overhead": overhead, "goal": GOAL, "meets_goal": overhead < GOAL,
