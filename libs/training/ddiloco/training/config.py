@@ -22,7 +22,7 @@ class TrainConfig:
     """Peak AdamW learning rate. 4.5e-3 (3e-3 before): at the default budget it ends lower than
     3e-3 in every mode measured, and a higher one does not pay in decoupled mode, whose merges
     apply to a model that has moved on since the send; data-parallel training on the combined
-    batch of three learners is best near 6e-3-9e-3 (docs/quality.md, sections 2 and 6b)."""
+    batch of three learners is best near 6e-3-9e-3 (docs/quality.md, sections 1, 6 and 6b)."""
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of the peak."""
     warmup_steps: int = 60
