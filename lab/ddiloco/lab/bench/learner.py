@@ -351,13 +351,11 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
     floor_s = args.min_step_ms / 1e3
 
     def inner_step() -> float:
-        start = time.perf_counter()
+        began = time.perf_counter()
         window = torch.randint(0, model_cfg.vocab_size, (args.batch_size, model_cfg.context + 1), generator=gen)
         loss, _ = loop.step(window[:, :-1], window[:, 1:])
-        if floor_s:
-            rest = floor_s - (time.perf_counter() - start)
-            if rest > 0:
-                time.sleep(rest)
+        if floor_s:  # as the learner service's min_step_s: the step lasts at least the floor
+            time.sleep(max(0.0, began + floor_s - time.perf_counter()))
         return loss
 
     phases: list[Phase] = []
