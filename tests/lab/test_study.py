@@ -78,6 +78,20 @@ def test_the_reference_is_deterministic_and_stragglers_change_it() -> None:
     assert point["final_eval_loss"] != delta["final_eval_loss"] != a["final_eval_loss"]
 
 
+def test_the_last_merge_of_hand_overs_takes_no_momentum_unless_asked() -> None:
+    """The synchronizer's rule for a round of hand-overs only: training is the same to the last
+    step (the learners' mean model, bytes and merges are equal), only the last merge of each
+    fragment differs. A result saved before the setting existed ran with the momentum."""
+    with_momentum = parse_case("decoupled:sync_every=2:fragments=2:overlap=1", **SMALL)
+    without = parse_case("decoupled:sync_every=2:fragments=2:overlap=1:hand_over_momentum=off", **SMALL)
+    assert "-hand_over_momentum_off" in without.id and "hand_over" not in with_momentum.id
+    a, b = run_case(with_momentum), run_case(without)
+    assert (a["learner_mean_eval_loss"], a["bytes_up"], a["merges"]) == (b["learner_mean_eval_loss"], b["bytes_up"], b["merges"])
+    assert a["final_eval_loss"] != b["final_eval_loss"]
+    saved_before = {k: v for k, v in with_momentum.settings().items() if k != "hand_over_momentum"}
+    assert with_momentum.matches(saved_before) and not without.matches(saved_before)
+
+
 def test_bytes_are_counted_as_sent() -> None:
     """fp32 both ways, P = H = 2, tau = 1, 4 steps, 2 learners: fragment 0 falls due at steps 2 and
     4, fragment 1 at 1 and 3. Each learner sends each due fragment, then at the end what it trained

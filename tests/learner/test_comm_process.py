@@ -21,7 +21,7 @@ from torch import nn
 
 from ddiloco.learner.comm_process import ProcessComm
 from ddiloco.learner.sync import DecoupledSync, SyncError
-from tests.learner.test_decoupled_sync import PROTOCOL, _events, _mlp, fleet
+from tests.learner.test_decoupled_sync import PROTOCOL, _events, _mlp, check_hand_overs, fleet
 from tests.procs import children_of, synchronizer
 
 
@@ -68,6 +68,7 @@ def test_a_loop_with_its_communication_in_a_process_joins_merges_heals_and_feeds
         sends = {e["sequence"] for e in events if e["event"] == "send"}
         answered = {e["sequence"] for e in events if e["event"] in ("result", "dropped")}
         assert sends and sends == answered, "every contribution handed over is answered or dropped, in the log"
+        check_hand_overs(events, tmp_path / "synchronizer.jsonl", last_step=40)
         merged = [e for e in events if e["event"] == "result" and e["outcome"] == "merged"]
         assert merged and all(e["learner_id"] == "loop-a" for e in merged)
         connect = next(i for i, e in enumerate(events) if e["event"] == "connect")

@@ -85,6 +85,24 @@ def _train(sync: DecoupledSync, model: nn.Module, opt: torch.optim.Optimizer, st
     return losses
 
 
+def check_hand_overs(events: list[dict[str, Any]], synchronizer_log: pathlib.Path, *, last_step: int) -> None:
+    """The progress since each fragment's last send went out at the end as hand-overs, and the
+    synchronizer (quorum 1, this learner alone) merged each of those rounds without momentum and
+    every other with it."""
+    sends = [e for e in events if e["event"] == "send"]
+    hand_overs = {e["sequence"] for e in sends if e.get("hand_over")}
+    assert hand_overs, "the end of training hands over the progress since each fragment's last send"
+    assert all(e["step"] == last_step and e["round"] == 0 for e in sends if e["sequence"] in hand_overs)
+    merges = [e for e in _events(synchronizer_log) if e["event"] == "merge"]
+    merged = {c[2] for e in merges for c in e["contributions"]}
+    assert hand_overs <= merged, "every hand-over is merged"
+    for e in merges:
+        if {c[2] for c in e["contributions"]} <= hand_overs:
+            assert e["momentum"] == 0.0, e
+        else:
+            assert e["momentum"] > 0.0, e
+
+
 @contextlib.contextmanager
 def fleet(tmp_path: pathlib.Path, **settings: Any
           ) -> Iterator[tuple[str, DecoupledSync, nn.Module, torch.optim.Optimizer, pathlib.Path]]:
@@ -92,7 +110,8 @@ def fleet(tmp_path: pathlib.Path, **settings: Any
     (the synchronizer's address, the learner, its model, its optimizer, its event log)."""
     cfg = tmp_path / "config.yaml"
     cfg.write_text(PROTOCOL)
-    with synchronizer(tmp_path, "--config", str(cfg), "--quorum", "1") as target:
+    with synchronizer(tmp_path, "--config", str(cfg), "--quorum", "1",
+                      "--event-log", str(tmp_path / "synchronizer.jsonl")) as target:
         model = _mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         log = tmp_path / "a.jsonl"
@@ -113,6 +132,7 @@ def test_an_in_process_loop_joins_merges_heals_and_a_second_loop_gets_the_global
         assert "apply" in kinds and min(sync.versions.values()) >= 1
         assert all(math.isfinite(v) for v in losses[21:]) and losses[-1] < losses[0] / 2
         assert sync.tokens == 40 * 32
+        check_hand_overs(events, tmp_path / "synchronizer.jsonl", last_step=40)
 
         # A second loop joins the fleet: it gets the global model, not its own init.
         other = _mlp()

@@ -85,6 +85,10 @@ class Case:
     """End of the outer decay as a share of ``outer_lr``."""
     momentum_warmup: int = 8
     """Outer steps (per fragment) over which the momentum ramps linearly from 0."""
+    hand_over_momentum: bool = True
+    """Whether the last merge of each fragment, made of the learners' hand-overs at the end of
+    training, takes the outer momentum (the synchronizer's ``hand_over_momentum``; off is its
+    default today, on what every stage before it ran)."""
     merge: str = "rda"
     """Per-tensor merge: rda or mean."""
     token_weights: bool = True
@@ -159,8 +163,9 @@ class Case:
         return dataclasses.asdict(self)
 
     def matches(self, saved: dict[str, Any]) -> bool:
-        """Whether a saved result was computed with exactly these settings."""
-        return all(saved.get(k) == v for k, v in self.settings().items())
+        """Whether a saved result was computed with exactly these settings (a setting added after
+        it ran had, then, the value its default keeps: ``ADDED``)."""
+        return all(saved.get(k, ADDED.get(k, _ABSENT)) == v for k, v in self.settings().items())
 
 
 CONTEXT = 128
@@ -179,6 +184,10 @@ def _short(value: Any) -> str:
         return f"{value:g}"
     return str(value)
 
+
+_ABSENT = object()
+ADDED: dict[str, Any] = {"hand_over_momentum": True}
+"""Settings added after results were saved, with the value every earlier result ran with."""
 
 DEFAULTS = {"dp": Case(mode="dp", momentum_warmup=0), "decoupled": Case(),
             "diloco": Case(mode="diloco", fragments=1, overlap=0)}

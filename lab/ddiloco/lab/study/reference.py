@@ -16,8 +16,9 @@ use, so a reference result and a service result differ only in timing:
   the global codec and each learner applies what it decodes (``apply_global``,
   ``counters_after_apply``);
 - the end: each learner hands over the progress since each fragment's last send (re-anchored
-  where a merge was still in flight), as ``DecoupledSync.end_training`` does, and the final
-  global model is evaluated on the run's held-out batches.
+  where a merge was still in flight), as ``DecoupledSync.end_training`` does; a merge of
+  hand-overs only takes no momentum unless ``hand_over_momentum`` (the synchronizer's rule), and
+  the final global model is evaluated on the run's held-out batches.
 
 ``dp`` trains one model on the combined batch for the same steps. Its bytes per token are what a
 ring all-reduce of fp32 gradients across M learners would send: ``2 (M-1) N * 4`` bytes a step.
@@ -25,6 +26,7 @@ ring all-reduce of fp32 gradients across M learners would send: ``2 (M-1) N * 4`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -221,9 +223,9 @@ class _Fleet:
         for p in range(self.case.fragments):
             rows = [row for learner in self.learners if learner.frags[p].hand_over(step)
                     and (row := self._contribution(learner, p, step, late=False)) is not None]
-            rows += [self._release(learner, p) for learner in self.learners if p in learner.held]
-            if rows:
-                self._merge(p, rows, step)
+            held = [self._release(learner, p) for learner in self.learners if p in learner.held]
+            if rows or held:  # hand-overs only: the synchronizer's rule for their momentum
+                self._merge(p, rows + held, step, hand_overs=not held)
 
     # -- learner side -------------------------------------------------------------------------
 
@@ -264,7 +266,8 @@ class _Fleet:
 
     # -- synchronizer side --------------------------------------------------------------------
 
-    def _merge(self, p: int, rows: list[tuple[torch.Tensor, int, tuple[int, int]]], step: int) -> None:
+    def _merge(self, p: int, rows: list[tuple[torch.Tensor, int, tuple[int, int]]], step: int, *,
+               hand_overs: bool = False) -> None:
         case = self.case
         current = self.theta[p]
         deltas = torch.stack([values for values, _, _ in rows])
@@ -283,7 +286,10 @@ class _Fleet:
         self.outer_steps[p] += 1
         lr = outer_lr(case, step)
         outer = OuterNesterov(lr=lr, momentum=case.outer_momentum, momentum_warmup=case.momentum_warmup)
-        outer.at(self.outer_steps[p]).step(current, self.momentum[p], merged)
+        outer = outer.at(self.outer_steps[p])
+        if hand_overs and not case.hand_over_momentum:
+            outer = dataclasses.replace(outer, momentum=0.0)
+        outer.step(current, self.momentum[p], merged)
         self.version[p] += 1
         self.history[p][self.version[p]] = current.clone()
         self.history[p].pop(self.version[p] - STALENESS_WINDOW - 1, None)

@@ -146,7 +146,9 @@ _SPECS: tuple[EventSpec, ...] = (
        {"step": "the step", "fragment": "its fragment", "sequence": "its sequence number",
         "base_version": "the global version it was computed on", "tokens": "tokens it claims",
         "steps": "inner steps it carries", "from_step": "first step covered", "to_step": "last step covered",
-        "round": "the round that asked for it; 0: due by the schedule"}),
+        "round": "the round that asked for it; 0: due by the schedule"},
+       {"hand_over": "whether it is the learner's last progress on the fragment, handed over as it finishes "
+                     "or drains"}),
     _E(LEARNER_LOG, SKIP, "a request left unanswered because the previous answer awaits its merge",
        {"step": "the step", "fragment": "the fragment", "round": "the round asked", "reason": "why"}),
     _E(LEARNER_LOG, RESULT, "the synchronizer's answer to a contribution",
@@ -185,7 +187,9 @@ _SPECS: tuple[EventSpec, ...] = (
         "cpu_s": "the process's CPU seconds so far",
         "contributions": "`[learner_id, incarnation, sequence]` of each contribution merged"},
        {"rx_bytes": "chunk payload bytes the process received so far",
-        "tx_bytes": "chunk payload bytes it sent so far"}),
+        "tx_bytes": "chunk payload bytes it sent so far",
+        "momentum": "the outer step's momentum (0 for a round of hand-overs only, unless "
+                    "`synchronizer.hand_over_momentum`)"}),
     _E(SYNCHRONIZER_LOG, REJECT, "a contribution rejected",
        {"fragment": "its fragment", "learner": "its learner id", "incarnation": "its incarnation",
         "sequence": "its sequence number", "reason": "the reason"}),

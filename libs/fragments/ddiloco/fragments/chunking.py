@@ -69,6 +69,8 @@ class TransferHeader:
     sent_at_unix: float = 0.0
     round: int = 0
     """The request a contribution answers (0: unsolicited)."""
+    hand_over: bool = False
+    """A contribution that is its learner's last for the fragment (it finishes or drains)."""
 
     def __post_init__(self) -> None:
         if self.kind not in PAYLOAD_KINDS:

@@ -29,7 +29,7 @@ from ddiloco.fragments.partition import Fragment, FragmentLayout
 
 def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, kind: str, version: int,
                     transfer_id: int, layout_hash: str = "", sequence: int = 0, tokens: int = 0,
-                    steps: int = 0, learner_step: int = 0, round: int = 0,
+                    steps: int = 0, learner_step: int = 0, round: int = 0, hand_over: bool = False,
                     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                     payload: bytes | None = None,
                     frame: Callable[[list[Chunk]], list[Chunk]] | None = None) -> list[Chunk]:
@@ -47,7 +47,7 @@ def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, k
         kind=kind, fragment_id=fragment.index, version=version, codec=codec.name, tensors=fragment.tensors,
         num_values=fragment.numel, sequence=sequence, tokens=tokens, steps=steps,
         block_size=codec.block_size if isinstance(codec, Int8BlockCodec) else 0,
-        layout_hash=layout_hash, learner_step=learner_step, round=round,
+        layout_hash=layout_hash, learner_step=learner_step, round=round, hand_over=hand_over,
     )
     data: bytes | memoryview | None = payload
     if data is None and frame is not None and isinstance(codec, Fp32Codec):

@@ -118,7 +118,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class FragmentHeader(_message.Message):
-    __slots__ = ("kind", "fragment_id", "version", "sequence", "tokens", "steps", "codec", "block_size", "tensors", "num_values", "encoded_bytes", "chunk_count", "digest", "layout_hash", "learner_step", "sent_at_unix", "round")
+    __slots__ = ("kind", "fragment_id", "version", "sequence", "tokens", "steps", "codec", "block_size", "tensors", "num_values", "encoded_bytes", "chunk_count", "digest", "layout_hash", "learner_step", "sent_at_unix", "round", "hand_over")
     KIND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class FragmentHeader(_message.Message):
     LEARNER_STEP_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    HAND_OVER_FIELD_NUMBER: _ClassVar[int]
     kind: PayloadKind
     fragment_id: int
     version: int
@@ -153,7 +154,8 @@ class FragmentHeader(_message.Message):
     learner_step: int
     sent_at_unix: float
     round: int
-    def __init__(self, kind: _Optional[_Union[PayloadKind, str]] = ..., fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_values: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., digest: _Optional[bytes] = ..., layout_hash: _Optional[str] = ..., learner_step: _Optional[int] = ..., sent_at_unix: _Optional[float] = ..., round: _Optional[int] = ...) -> None: ...
+    hand_over: bool
+    def __init__(self, kind: _Optional[_Union[PayloadKind, str]] = ..., fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_values: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., digest: _Optional[bytes] = ..., layout_hash: _Optional[str] = ..., learner_step: _Optional[int] = ..., sent_at_unix: _Optional[float] = ..., round: _Optional[int] = ..., hand_over: _Optional[bool] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
     __slots__ = ("transfer_id", "index", "header", "data", "crc32c")

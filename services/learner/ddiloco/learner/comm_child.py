@@ -153,9 +153,10 @@ def _child(fd: int) -> None:
                 os._exit(0)
             kind = msg[0]
             if kind == "submit":
-                fragment, sequence, base, tokens, steps, learner_step, round_no, ref = msg[1:9]
-                delta = pool.view(ref) if ref is not None else recv_values(conn, msg[9])
-                comm.submit(Outgoing(fragment, sequence, base, tokens, steps, learner_step, delta, round=round_no))
+                fragment, sequence, base, tokens, steps, learner_step, round_no, hand_over, ref = msg[1:10]
+                delta = pool.view(ref) if ref is not None else recv_values(conn, msg[10])
+                comm.submit(Outgoing(fragment, sequence, base, tokens, steps, learner_step, delta, round=round_no,
+                                     hand_over=hand_over))
             elif kind == "beat":
                 _pace(comm.stats, shared)
                 comm.beat_now()

@@ -346,7 +346,7 @@ class ProcessComm:
 
     def _hand_over(self, sent: _Sent) -> None:
         o = sent.out
-        fields = (o.fragment, o.sequence, o.base_version, o.tokens, o.steps, o.learner_step, o.round)
+        fields = (o.fragment, o.sequence, o.base_version, o.tokens, o.steps, o.learner_step, o.round, o.hand_over)
         if sent.ref is not None:
             self._send(("submit", *fields, sent.ref))
         else:

@@ -37,6 +37,8 @@ class Outgoing:
     round: int = 0
     """The request it answers (0: unsolicited)."""
     payload: bytes | None = None
+    hand_over: bool = False
+    """The learner's last progress on this fragment, handed over as it finishes or drains."""
 
 
 @dataclass

@@ -367,7 +367,7 @@ class Link:
                 encode_fragment, out.delta, frag, codec=self.codec, kind="contribution",
                 version=out.base_version, transfer_id=self._transfer_id, layout_hash=self.layout.fingerprint,
                 sequence=out.sequence, tokens=out.tokens, steps=out.steps, learner_step=out.learner_step,
-                round=out.round, max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload,
+                round=out.round, hand_over=out.hand_over, max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload,
                 frame=wire.frame_chunks)
             await stream.send_transfer(chunks)
             self.bytes_sent += len(out.payload)

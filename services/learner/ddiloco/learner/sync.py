@@ -361,7 +361,7 @@ class DecoupledSync:
         if step > self.start_step:
             for p, frag in self.local.state.items():
                 if frag.hand_over(step):
-                    self._send(p, step, 0)
+                    self._send(p, step, 0, hand_over=True)
         self.comm.training_done()
 
     def close(self, reason: str | None = None, *, flush_timeout_s: float = 30.0) -> bool:
@@ -416,7 +416,7 @@ class DecoupledSync:
         self.comm.resync(tuple(fragments))
         self.events.emit(schema.HEAL, step=step, fragments=fragments, reason=reason)
 
-    def _send(self, p: int, step: int, round_no: int) -> None:
+    def _send(self, p: int, step: int, round_no: int, *, hand_over: bool = False) -> None:
         frag = self.local[p]
         tokens, steps = frag.counters
         if steps == 0:
@@ -433,9 +433,11 @@ class DecoupledSync:
         # it may be merged (and answered) before this thread runs again; a "send" logged after it
         # could then be missing from the log of a learner frozen or killed in between.
         self.events.emit(schema.SEND, step=step, fragment=p, sequence=seq, base_version=frag.version, tokens=claimed,
-                         steps=steps, from_step=frag.window_start, to_step=step, round=round_no)
+                         steps=steps, from_step=frag.window_start, to_step=step, round=round_no,
+                         hand_over=hand_over)
         t0 = time.perf_counter()
-        self.comm.submit(Outgoing(p, seq, frag.version, claimed, steps, step, delta, round=round_no))
+        self.comm.submit(Outgoing(p, seq, frag.version, claimed, steps, step, delta, round=round_no,
+                                  hand_over=hand_over))
         self.local.time("handoff", t0)
         frag.send(step, current, keep_values=self.cfg.apply_policy == "replay")
 

@@ -79,7 +79,8 @@ def check_hello(hello: Hello, mine: ProtocolParams, state: LoadedState | None) -
 def contribution_of(rec: LearnerRecord, transfer: Transfer) -> Contribution:
     h = transfer.header
     return Contribution(rec.learner_id, h.sequence, h.fragment_id, h.version, h.tokens, h.steps,
-                        transfer.received_at, h.learner_step, rec.incarnation, h.round)
+                        transfer.received_at, h.learner_step, rec.incarnation, h.round,
+                        hand_over=h.hand_over)
 
 
 class Admission:

@@ -87,6 +87,13 @@ class SynchronizerConfig:
     ``outer_momentum`` (0: none). The first outer gradients are the largest and least aligned
     with the later ones; a momentum that carries them at full strength overshoots. With the
     longer inner warm-up it gains 1.7-2.0% at the default budget (docs/quality.md)."""
+    hand_over_momentum: bool = False
+    """Whether a round made only of hand-overs (each learner's last progress on a fragment, sent
+    as it finishes or drains) takes the outer momentum. A hand-over carries less than a sync
+    period of progress, usually a fraction of one, while the momentum carries whole periods: at
+    the end of a run it moves the final model past where the learners went. Off (the default),
+    such a round's outer step is plain SGD at the outer learning rate and the momentum is left
+    as it was (docs/quality.md, "The last step")."""
     staleness_window: int = 4
     """Versions behind the current one a contribution may be and still be re-anchored."""
     stale_anchor: Literal["point", "delta"] = "point"

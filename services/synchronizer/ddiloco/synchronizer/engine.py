@@ -166,6 +166,7 @@ class Engine:
         settings = MergeSettings(method=cfg.merge_method, embedding_patterns=cfg.embedding_patterns,
                                  stale_anchor=cfg.stale_anchor, staleness_window=cfg.staleness_window,
                                  scale_by_participation=cfg.scale_by_participation,
+                                 hand_over_momentum=cfg.hand_over_momentum,
                                  outer=OuterNesterov(lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                                      momentum_warmup=cfg.outer_momentum_warmup))
         ctx = RoundContext(clock=self.clock, wall=self.wall, learners=self.membership, pace=self.pace,

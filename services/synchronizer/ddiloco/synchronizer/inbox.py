@@ -37,6 +37,8 @@ class Contribution:
     incarnation: int = 0
     round: int = 0
     """The round of the request it answers (0: unsolicited)."""
+    hand_over: bool = False
+    """Its learner's last progress on the fragment, handed over as it finishes or drains."""
     carried: tuple[Contribution, ...] = ()
     """Older contributions of the same learner whose deltas are summed into this one's row."""
 

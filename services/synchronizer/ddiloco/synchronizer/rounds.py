@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -64,6 +65,18 @@ class MergeSettings:
     staleness_window: int
     scale_by_participation: bool
     outer: OuterNesterov
+    hand_over_momentum: bool = False
+    """Whether a round of hand-overs only takes the outer momentum (``SynchronizerConfig``)."""
+
+    def outer_step(self, outer_step: int, entries: list[Contribution]) -> OuterNesterov:
+        """The outer optimizer of a fragment's ``outer_step``-th step (from 1) merging ``entries``:
+        plain SGD when every entry is a hand-over that carries nothing older (a learner's last
+        progress, less than a sync period) and hand-overs take no momentum."""
+        outer = self.outer.at(outer_step)
+        if (not self.hand_over_momentum and outer.momentum and entries
+                and all(c.hand_over and not c.carried for c in entries)):
+            return dataclasses.replace(outer, momentum=0.0)
+        return outer
 
 
 class Learners(Protocol):
@@ -228,8 +241,9 @@ class FragmentRound:
             scale = participation_scale(len(entries), len(ctx.learners.live(ctx.clock())))
         self.merging = True
         started = time.perf_counter()
+        outer = settings.outer_step(frag.merges + 1, entries)
         try:
-            outcome = await ctx.run_blocking(self._compute, sealed, keep, staleness, weights, version, scale)
+            outcome = await ctx.run_blocking(self._compute, sealed, keep, staleness, weights, version, outer, scale)
         except Exception:
             self._requeue(sealed, keep)
             raise
@@ -246,7 +260,8 @@ class FragmentRound:
         ctx.pace.merged(quorum_time_s, sync_s)
         ctx.ledger.record_merge(fragment=self.index, version=version + 1, grace_s=grace_s, merge_s=outcome.merge_s,
                                 commit_s=outcome.commit_s, sync_s=sync_s, staleness=staleness,
-                                contributions=entries, scale=scale, round_no=round_no, wait_s=wait_s)
+                                contributions=entries, scale=scale, round_no=round_no, wait_s=wait_s,
+                                momentum=outer.momentum)
         self.log.info("merged", version=version + 1, round=round_no, quorum=len(entries), reason=reason,
                       wait_s=round(wait_s, 4), scale=round(scale, 3),
                       grace_s=round(grace_s, 4), sync_s=round(sync_s, 4),
@@ -266,7 +281,7 @@ class FragmentRound:
                 self.inbox.add(c, sealed.deltas[i], sealed.carry.get(i))
 
     def _compute(self, sealed: SealedRound, keep: list[int], staleness: list[int], weights: list[float],
-                 version: int, scale: float = 1.0) -> MergeOutcome:
+                 version: int, outer: OuterNesterov, scale: float = 1.0) -> MergeOutcome:
         """Thread-pool side: re-anchor, merge, outer step, encode, commit."""
         frag, settings = self.fragment, self.settings
         t0 = time.perf_counter()
@@ -298,7 +313,7 @@ class FragmentRound:
             merged = merged * scale
         params = current.clone()
         momentum = frag.momentum.clone()
-        settings.outer.at(frag.merges + 1).step(params, momentum, merged)
+        outer.step(params, momentum, merged)
         merge_s = time.perf_counter() - t0
         transfer = self.ctx.publisher.encode(frag.spec, params, version + 1)
         t1 = time.perf_counter()

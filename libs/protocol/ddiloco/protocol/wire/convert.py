@@ -112,6 +112,7 @@ def header_to_pb(h: TransferHeader) -> pb.FragmentHeader:
         tensors=[pb.TensorSpec(name=t.name, shape=list(t.shape), dtype=_DTYPES[t.dtype]) for t in h.tensors],
         num_values=h.num_values, encoded_bytes=h.encoded_bytes, chunk_count=h.chunk_count, digest=h.digest,
         layout_hash=h.layout_hash, learner_step=h.learner_step, sent_at_unix=h.sent_at_unix, round=h.round,
+        hand_over=h.hand_over,
     )
 
 
@@ -131,6 +132,7 @@ def header_from_pb(m: pb.FragmentHeader) -> TransferHeader:
         tensors=tuple(tensors), num_values=m.num_values, encoded_bytes=m.encoded_bytes,
         chunk_count=m.chunk_count, digest=m.digest, layout_hash=m.layout_hash,
         learner_step=m.learner_step, sent_at_unix=m.sent_at_unix, round=m.round,
+        hand_over=m.hand_over,
     )
 
 
