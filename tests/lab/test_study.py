@@ -92,6 +92,21 @@ def test_the_last_merge_of_hand_overs_takes_no_momentum_unless_asked() -> None:
     assert with_momentum.matches(saved_before) and not without.matches(saved_before)
 
 
+def test_results_saved_before_a_setting_existed_are_reported_and_reindexed(tmp_path) -> None:
+    """A result without ``hand_over_momentum`` (saved before it existed) ran with the momentum:
+    the report reads it as that case, and reindexing leaves it under its name."""
+    dp, decoupled = parse_case("dp", **SMALL), parse_case("decoupled", **SMALL)
+    for case, loss in ((dp, 2.0), (decoupled, 2.2)):
+        saved = {k: v for k, v in case.settings().items() if k != "hand_over_momentum"}
+        (tmp_path / f"{case.id}.json").write_text(json.dumps({
+            **saved, "id": case.id, "final_eval_loss": loss, "learner_mean_eval_loss": None, "params": 1,
+            "tokens": case.tokens, "bytes_up": 1, "bytes_down": 1, "bytes_per_token": 1.0, "merges": 1,
+            "stale_rows": 0, "curve": [[0, 3.0], [case.tokens, loss]], "wall_s": 1.0}))
+    assert Results(tmp_path).reindex() == []
+    assert main(["report", "--out", str(tmp_path), "--docs", str(tmp_path / "img")]) == 0
+    assert "+10.0%" in (tmp_path / "report.md").read_text()  # 2.2 against dp's 2.0
+
+
 def test_bytes_are_counted_as_sent() -> None:
     """fp32 both ways, P = H = 2, tau = 1, 4 steps, 2 learners: fragment 0 falls due at steps 2 and
     4, fragment 1 at 1 and 3. Each learner sends each due fragment, then at the end what it trained

@@ -87,17 +87,27 @@ def _train(sync: DecoupledSync, model: nn.Module, opt: torch.optim.Optimizer, st
 
 def check_hand_overs(events: list[dict[str, Any]], synchronizer_log: pathlib.Path, *, last_step: int) -> None:
     """The progress since each fragment's last send went out at the end as hand-overs, and the
-    synchronizer (quorum 1, this learner alone) merged each of those rounds without momentum and
-    every other with it."""
+    synchronizer (quorum 1, this learner alone) merged each round of hand-overs alone without
+    momentum and every other round with it. A hand-over that replaced the fragment's previous
+    contribution before it was merged (answered superseded, or dropped unsent) holds that one's
+    whole period too: its round keeps the momentum."""
     sends = [e for e in events if e["event"] == "send"]
     hand_overs = {e["sequence"] for e in sends if e.get("hand_over")}
     assert hand_overs, "the end of training hands over the progress since each fragment's last send"
     assert all(e["step"] == last_step and e["round"] == 0 for e in sends if e["sequence"] in hand_overs)
+    replaced = {e["sequence"] for e in events if (e["event"] == "result" and e["outcome"] == "superseded")
+                or (e["event"] == "dropped" and "replaced" in e["reason"])}
+    whole = set()  # hand-overs holding a replaced contribution's period
+    for h in (e for e in sends if e["sequence"] in hand_overs):
+        before = [e for e in sends if e["fragment"] == h["fragment"] and e["sequence"] < h["sequence"]]
+        if before and before[-1]["sequence"] in replaced and before[-1]["base_version"] == h["base_version"]:
+            whole.add(h["sequence"])
     merges = [e for e in _events(synchronizer_log) if e["event"] == "merge"]
     merged = {c[2] for e in merges for c in e["contributions"]}
     assert hand_overs <= merged, "every hand-over is merged"
     for e in merges:
-        if {c[2] for c in e["contributions"]} <= hand_overs:
+        sequences = {c[2] for c in e["contributions"]}
+        if sequences <= hand_overs - whole:
             assert e["momentum"] == 0.0, e
         else:
             assert e["momentum"] > 0.0, e

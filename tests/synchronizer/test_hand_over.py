@@ -121,3 +121,44 @@ def _header():
     return TransferHeader(kind="contribution", fragment_id=1, version=7, codec="fp32",
                           tensors=(TensorSpec("w", (2, 3), "float32"),), num_values=6, sequence=5, tokens=640,
                           steps=3, encoded_bytes=24, chunk_count=1, digest=bytes(range(16)), round=0)
+
+
+def test_a_hand_over_that_replaces_an_ordinary_contribution_is_no_longer_a_hand_over():
+    """Same learner, same base: the newer contribution holds the older one's progress. Replacing
+    an ordinary one waiting to be merged (synchronizer) or waiting to be sent (learner), a
+    hand-over holds a whole period: its round keeps the momentum. Replacing a hand-over, or
+    summed with an older base's contribution (carried), it keeps or loses the flag as said."""
+    from ddiloco.learner.events import EventLog
+    from ddiloco.learner.mailbox import Mailbox, Outgoing
+    from ddiloco.synchronizer.inbox import Inbox
+
+    def contribution(seq: int, base: int, hand_over: bool) -> Contribution:
+        return Contribution("a", seq, 0, base, 100, 4, float(seq), 0, 1, hand_over=hand_over)
+
+    row = torch.ones(3)
+    box = Inbox(3)
+    box.add(contribution(1, 0, False), row)
+    assert box.add(contribution(2, 0, True), row) is not None  # superseded
+    assert [e.hand_over for e in box.seal().entries] == [False]
+    box.add(contribution(3, 5, True), row)
+    box.add(contribution(4, 5, True), row)  # a hand-over replacing a hand-over (a restart's resend)
+    assert [e.hand_over for e in box.seal().entries] == [True]
+    box.add(contribution(5, 6, False), row)
+    box.add(contribution(6, 7, True), row)  # an older base: carried, so the rule keeps the momentum
+    (entry,) = box.seal().entries
+    assert entry.hand_over and entry.carried
+    settings = MergeSettings(method="rda", embedding_patterns=(), stale_anchor="point", staleness_window=4,
+                             scale_by_participation=False, outer=OuterNesterov(lr=LR, momentum=MU))
+    assert settings.outer_step(9, [entry]).momentum == MU
+
+    mailbox = Mailbox(EventLog(None, learner_id="a", incarnation=1))
+
+    def out(seq: int, base: int, hand_over: bool) -> Outgoing:
+        return Outgoing(0, seq, base, 100, 4, 10, torch.zeros(3), hand_over=hand_over)
+    mailbox.submit(out(1, 0, False))
+    mailbox.submit(out(2, 0, True))  # the unsent ordinary one is dropped: its period rides along
+    sent = mailbox.next_outgoing()
+    assert sent is not None and (sent.sequence, sent.hand_over) == (2, False)
+    mailbox.submit(out(3, 1, False))
+    mailbox.submit(out(4, 2, True))  # an older base stays queued: the hand-over is only its own steps
+    assert [(o.sequence, o.hand_over) for o in (mailbox.next_outgoing(), mailbox.next_outgoing())] == [(3, False), (4, True)]

@@ -189,6 +189,14 @@ _ABSENT = object()
 ADDED: dict[str, Any] = {"hand_over_momentum": True}
 """Settings added after results were saved, with the value every earlier result ran with."""
 
+
+
+def saved_settings(saved: dict[str, Any]) -> dict[str, Any]:
+    """Every setting of a saved result, a setting added after it ran with the value it ran with
+    (``ADDED``); ``KeyError`` for any other that is missing."""
+    return {f.name: saved.get(f.name, ADDED[f.name]) if f.name in ADDED else saved[f.name] for f in fields(Case)}
+
+
 DEFAULTS = {"dp": Case(mode="dp", momentum_warmup=0), "decoupled": Case(),
             "diloco": Case(mode="diloco", fragments=1, overlap=0)}
 

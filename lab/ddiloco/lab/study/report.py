@@ -22,7 +22,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from ddiloco.lab.study.case import DEFAULTS, Case
+from ddiloco.lab.study.case import DEFAULTS, Case, saved_settings
 from ddiloco.lab.study.store import Results
 
 BUDGET = ("learners", "steps", "batch_size", "model", "seed", "eval_batches")
@@ -55,8 +55,8 @@ def references(results: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
 def _dp_plain(r: dict[str, Any]) -> bool:
     """A dp case that differs from dp's defaults at most in its budget, inner lr and warm-up (what
     dp is tuned over)."""
-    base = DEFAULTS["dp"].settings()
-    return all(r.get(k) == v for k, v in base.items()
+    base, settings = DEFAULTS["dp"].settings(), saved_settings(r)
+    return all(settings[k] == v for k, v in base.items()
                if k not in (*BUDGET, "inner_lr", "warmup_steps", "mode", "curve_points"))
 
 
@@ -81,7 +81,7 @@ def _pct(x: float | None) -> str:
 
 def _changes(r: dict[str, Any]) -> str:
     """The settings of a result that differ from its mode's defaults, budget and seed aside."""
-    keep = {k: r[k] for k in Case.__dataclass_fields__}
+    keep = saved_settings(r)
     case = Case(**keep)
     parts = [p for p in case.id.split("-")[1:]
              if not p.startswith(("seed_", "steps_", "learners_", "model_", "eval_batches_", "curve_points_"))]
@@ -225,7 +225,7 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
             continue
         is_tuned_dp = (r["mode"] == "dp" and ref is not None and r["inner_lr"] == ref["tuned_lr"]
                        and r["warmup_steps"] == ref["tuned_warmup"] and _dp_plain(r))
-        is_default = r["mode"] in ("decoupled", "diloco") and Case(**{k: r[k] for k in Case.__dataclass_fields__}).id \
+        is_default = r["mode"] in ("decoupled", "diloco") and Case(**saved_settings(r)).id \
             in ("decoupled", "diloco")
         if is_tuned_dp or is_default:
             xs, ys = zip(*r["curve"], strict=True)
@@ -258,13 +258,13 @@ def _frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     at)."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        groups[tuple(r[k] for k in Case.__dataclass_fields__ if k not in BANDWIDTH)].append(r)
+        groups[tuple(v for k, v in saved_settings(r).items() if k not in BANDWIDTH)].append(r)
     return max(groups.values(), key=len, default=[])
 
 
 def _trend_point(r: dict[str, Any], key: str) -> bool:
     """Whether ``r`` is its mode's defaults except (at most) ``key``, seed 0."""
-    settings = {k: r[k] for k in Case.__dataclass_fields__}
+    settings = saved_settings(r)
     base = DEFAULTS[r["mode"]].settings()
     return r["seed"] == 0 and all(settings[k] == base[k] for k in settings if k not in (key, "mode"))
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ddiloco.lab.procs import running
-from ddiloco.lab.study.case import Case
+from ddiloco.lab.study.case import Case, saved_settings
 
 
 class ResultsError(RuntimeError):
@@ -76,7 +76,7 @@ class Results:
             for path in sorted(self.folder.glob("*.json")):
                 try:
                     saved = json.loads(path.read_text())
-                    case = Case(**{k: saved[k] for k in Case.__dataclass_fields__})
+                    case = Case(**saved_settings(saved))
                 except (OSError, ValueError, KeyError, TypeError):
                     continue
                 target = self.path(case)

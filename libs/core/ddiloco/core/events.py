@@ -148,7 +148,7 @@ _SPECS: tuple[EventSpec, ...] = (
         "steps": "inner steps it carries", "from_step": "first step covered", "to_step": "last step covered",
         "round": "the round that asked for it; 0: due by the schedule"},
        {"hand_over": "whether it is the learner's last progress on the fragment, handed over as it finishes "
-                     "or drains"}),
+                     "or drains (sent unflagged where it replaces an unsent contribution of the same base)"}),
     _E(LEARNER_LOG, SKIP, "a request left unanswered because the previous answer awaits its merge",
        {"step": "the step", "fragment": "the fragment", "round": "the round asked", "reason": "why"}),
     _E(LEARNER_LOG, RESULT, "the synchronizer's answer to a contribution",

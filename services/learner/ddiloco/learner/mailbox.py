@@ -83,6 +83,8 @@ class Mailbox:
         with self._lock:
             queue = self._outbound.setdefault(out.fragment, [])
             old = queue.pop() if queue and queue[-1].base_version == out.base_version else None
+            if old is not None and not old.hand_over:
+                out.hand_over = False  # it holds the dropped one's whole period, not a hand-over's fraction
             queue.append(out)
         if old is not None:
             self.events.emit(schema.DROPPED, sequence=old.sequence, fragment=old.fragment,

@@ -115,9 +115,12 @@ class Inbox:
         row = self._rows[slot]
         if contribution.supersedes(older):
             carried = older.carried
+            # a hand-over that holds an older ordinary contribution's whole period is not the
+            # fraction of one that a hand-over round steps without momentum
             self._entries[slot] = dataclasses.replace(
                 contribution, carried=carried, tokens=contribution.tokens + sum(k.tokens for k in carried),
-                steps=contribution.steps + sum(k.steps for k in carried))
+                steps=contribution.steps + sum(k.steps for k in carried),
+                hand_over=contribution.hand_over and older.hand_over)
             carry = self._carry.get(slot)
             if carry is None:
                 row.copy_(delta)
