@@ -10,9 +10,10 @@ Decisions:
 - **The defaults are the system's defaults of the study's stages** (learner, protocol,
   synchronizer and the local run's data settings), so ``decoupled`` with no settings is what
   ``ddiloco run`` trained when they ran. The system has since taken inner lr 4.5e-3 and applies
-  merges on arrival (``learner.apply_at``, which the reference does not model): today's default
-  is the case ``decoupled:inner_lr=4.5e-3:overlap=1``. The case defaults stay, so every result
-  keeps its name.
+  merges on arrival (``learner.apply_at``, which the reference does not model) and steps the
+  last merges of hand-overs without momentum: today's default is the case
+  ``decoupled:inner_lr=4.5e-3:overlap=1:hand_over_momentum=off``. The case defaults stay, so
+  every result keeps its name.
 - **Data sharding is a setting.** ``shards: 0`` gives each learner 1/M of the training data (as
   the data-parallel reference, which samples all of it, and as ``ddiloco run``, which starts its
   learners with ``--num-shards M``); a deployment keeps the learner's ``num_shards`` (8 by
