@@ -166,7 +166,10 @@ class Case:
     def matches(self, saved: dict[str, Any]) -> bool:
         """Whether a saved result was computed with exactly these settings (a setting added after
         it ran had, then, the value its default keeps: ``ADDED``)."""
-        return all(saved.get(k, ADDED.get(k, _ABSENT)) == v for k, v in self.settings().items())
+        try:
+            return saved_settings(saved) == self.settings()
+        except KeyError:
+            return False
 
 
 CONTEXT = 128
@@ -186,7 +189,6 @@ def _short(value: Any) -> str:
     return str(value)
 
 
-_ABSENT = object()
 ADDED: dict[str, Any] = {"hand_over_momentum": True}
 """Settings added after results were saved, with the value every earlier result ran with."""
 

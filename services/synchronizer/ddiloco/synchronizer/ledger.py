@@ -114,7 +114,7 @@ class Ledger:
 
     def record_merge(self, *, fragment: int, version: int, grace_s: float, merge_s: float, commit_s: float,
                      sync_s: float, staleness: list[int], contributions: list[Contribution],
-                     scale: float, round_no: int = 0, wait_s: float = 0.0, momentum: float | None = None) -> None:
+                     scale: float, momentum: float, round_no: int = 0, wait_s: float = 0.0) -> None:
         """``wait_s``: from the round's request to the merge (its longest wait)."""
         self.merges_total += 1
         m = self.metrics
@@ -131,7 +131,7 @@ class Ledger:
                     "cpu_s": time.process_time(),
                     # and its payload bytes so far: bytes per second between two merges likewise
                     "rx_bytes": m.received_bytes, "tx_bytes": m.sent_bytes,
-                    **({} if momentum is None else {"momentum": momentum}),
+                    "momentum": momentum,
                     "contributions": [[p.learner_id, p.incarnation, p.sequence]
                                       for c in contributions for p in c.parts()]})
 
