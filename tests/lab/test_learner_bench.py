@@ -44,6 +44,7 @@ def test_tiny_run_reports_overhead_and_phases(tmp_path):
     assert all(ms >= 0 for ms in phases.values())
     counts = printed["counts"]
     assert counts["sends"] > 0 and counts["timed_sends"] > 0 and counts["encodes"] > 0
+    assert counts["arrivals_in_slots"] == counts["arrivals_on_channel"] == 0, "thread mode has no slots"
     assert phases["gather"] > 0 and phases["encode"] > 0
     assert [(r["sync"], r["steps"]) for r in printed["results"]] == [("off", 16), ("on", 16)]
     assert (work / "logs" / "synchronizer.log").exists()  # the synchronizer ran, and was stopped
@@ -172,3 +173,4 @@ def test_a_run_with_the_communication_in_a_process(tmp_path):
     counts = printed["counts"]
     assert counts["sends"] > 0 and counts["timed_sends"] > 0 and counts["applies"] > 0
     assert counts["encodes"] == counts["decodes"] == 0, "they run in the communication process, untimed"
+    assert counts["arrivals_in_slots"] > 0, "merged fragments come back through shared memory"

@@ -35,6 +35,24 @@ def _loss(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) ->
     return float(loss.detach())
 
 
+def _batch_allowed() -> bool:
+    """Whether a process started here may put itself under SCHED_BATCH (not where this runs under
+    a policy it may not leave, say SCHED_IDLE, or a sandbox refuses it)."""
+    script = "import os; os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60).returncode == 0
+
+
+def _policies(pid: int) -> dict[int, int]:
+    """Thread id -> scheduling policy of every thread of ``pid`` (threads that ended meanwhile left out)."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found[int(tid)] = os.sched_getscheduler(int(tid))
+        except ProcessLookupError:
+            continue
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -50,6 +68,10 @@ def test_a_loop_with_its_communication_in_a_process_joins_merges_heals_and_feeds
         assert sync.join() == 0
         child = sync.comm.pid
         assert child is not None and child in children_of(os.getpid())
+        if _batch_allowed():
+            policies = _policies(child)
+            assert policies and set(policies.values()) == {os.SCHED_BATCH}, \
+                f"every thread of the communication process runs under SCHED_BATCH (never preempting training): {policies}"
         losses = []
         for step in range(1, 41):
             value = _loss(model, opt, gen)
@@ -74,6 +96,7 @@ def test_a_loop_with_its_communication_in_a_process_joins_merges_heals_and_feeds
         connect = next(i for i, e in enumerate(events) if e["event"] == "connect")
         assert kinds.index("start") > connect and kinds.count("flushed") == 1
         assert sync.comm.bytes_sent > 0 and sync.comm.bytes_received > 0
+        assert sync.comm.returned["slots"] > 0, "merged fragments come back through shared memory"
 
         # A late joiner in process mode fetches the global model through its communication process.
         other = _mlp()
@@ -128,6 +151,46 @@ def test_a_sigkilled_communication_process_is_started_again_and_nothing_is_lost(
         after = [e for e in events if e["event"] == "result" and e["outcome"] == "merged"
                  and e["t"] > restart[0]["t"]]
         assert after, "contributions sent by the new communication process merge"
+
+
+def test_merged_fragments_come_back_on_the_channel_when_every_return_slot_is_filled(tmp_path, monkeypatch):
+    """One return slot, and training not reading while a heal's three fragments come back: the first
+    fills the slot, the others follow their messages on the channel; all three are applied whole."""
+    from ddiloco.learner import comm_process
+
+    monkeypatch.setattr(comm_process, "RETURN_SLOTS", 1)
+    with fleet(tmp_path, comm="process") as (_, sync, model, opt, log):
+        gen = torch.Generator().manual_seed(3)
+        assert sync.join() == 0
+        deadline = time.monotonic() + 120
+        while min(sync.versions.values()) < 1 and time.monotonic() < deadline:
+            sync.step(tokens=32, loss=_loss(model, opt, gen))
+        assert min(sync.versions.values()) >= 1, "no merge within the deadline"
+        comm = sync.comm
+        assert isinstance(comm, ProcessComm) and comm._returns is not None
+        for _ in range(5):  # each try: a heal, then no read until its first fragment fills the slot
+            before = dict(comm.returned)
+            sync.heal(None, "a test's heal")
+            deadline = time.monotonic() + 60
+            while comm._returns.filled == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(1.0)  # the other two were delivered with it (no slot free): time for the child to write them
+            sync.step(tokens=32, loss=_loss(model, opt, gen))
+            applied = [e for e in _events(log) if e["event"] == "apply" and e["resync"] and e["step"] == sync.step_count + 1]
+            for e in applied:  # a resync overwrites: the parameters are exactly what came back
+                p = e["fragment"]
+                assert torch.equal(sync.local.bound[p].gather(), sync.local[p].base)
+                assert torch.isfinite(sync.local[p].base).all() and sync.local[p].base.abs().sum() > 0
+            if comm.returned["channel"] > before["channel"]:
+                assert comm.returned["slots"] > before["slots"] and applied
+                break
+        assert comm.returned["channel"] > 0, f"every fragment came back through a slot: {comm.returned}"
+        versions = dict(sync.versions)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(sync.versions[f] > v for f, v in versions.items()):
+            sync.step(tokens=32, loss=_loss(model, opt, gen))
+        assert all(sync.versions[f] > v for f, v in versions.items()), "merges go on after"
+        assert sync.finish()
 
 
 _PARENT = textwrap.dedent("""

@@ -1,5 +1,6 @@
 """Shared memory slots between two real processes: values cross with one copy, slots come back,
-and a peer killed while holding slots costs nothing but a reclaim."""
+and a peer killed while holding slots costs nothing but a reclaim. Return slots (merged fragments
+on their way back to training) are freed by their reader through the block itself, with no message."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ddiloco.learner.slots import SharedValues, SlotPool, SlotRef
+from ddiloco.learner.slots import ReturnSlots, SharedValues, SlotPool, SlotRef
 
 _READER = textwrap.dedent("""
     import sys, signal, os
@@ -249,3 +250,119 @@ def test_a_reader_never_sees_the_sequence_number_go_back():
         shared.buf[0:8] = struct.pack("@d", -1.0)  # tells the reader to stop
         reads, backwards = _counts(reader)
         assert reads >= 1000 and backwards == 0, f"the sequence number went back {backwards} times in {reads} reads"
+
+
+_RETURN_WRITER = textwrap.dedent("""
+    import sys, signal, os, torch
+    from ddiloco.learner.slots import ReturnSlots
+    fd, count, slot_bytes = map(int, sys.argv[1:4])
+    slots = ReturnSlots.attach(fd, count, slot_bytes)
+    for line in sys.stdin:
+        if line.strip() == "die":
+            os.kill(os.getpid(), signal.SIGKILL)  # dies with whatever it filled
+        value, numel = line.split()
+        ref = slots.put(torch.full((int(numel),), float(value)))
+        print(-1 if ref is None else ref.slot, flush=True)
+""")
+
+
+def test_return_slots_come_back_to_their_writer_through_the_block_itself() -> None:
+    """Another process fills slots; this one copies each out, which frees it for the writer with no
+    message; a full block makes the writer's put return None until the reader takes one."""
+    slots = ReturnSlots.create(2, 4 * 100)
+    proc = subprocess.Popen([sys.executable, "-c", _RETURN_WRITER, str(slots.fd), "2", str(slots.slot_bytes)],
+                            pass_fds=(slots.fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        first = SlotRef(int(_ask(proc, "1.5 100")), 100, 0)
+        second = SlotRef(int(_ask(proc, "2.5 7")), 7, 0)
+        assert {first.slot, second.slot} == {0, 1} and slots.filled == 2
+        assert _ask(proc, "3.5 10").strip() == "-1", "every slot filled: the writer sends another way"
+        assert _ask(proc, "1 101").strip() == "-1", "values larger than a slot never go in one"
+        values = slots.take(first)
+        assert torch.equal(values, torch.full((100,), 1.5)) and slots.filled == 1
+        with pytest.raises(ValueError, match="not filled"):
+            slots.take(first)
+        again = SlotRef(int(_ask(proc, "4.5 3")), 3, 0)
+        assert again.slot == first.slot, "the slot the reader freed is the writer's again"
+        assert torch.equal(values, torch.full((100,), 1.5)), "what was taken is a copy: refilling leaves it"
+        assert torch.equal(slots.take(again), torch.full((3,), 4.5))
+        assert torch.equal(slots.take(second), torch.full((7,), 2.5)) and slots.filled == 0
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        slots.close()
+
+
+def test_return_slots_filled_by_a_writer_killed_are_cleared_and_bad_input_changes_nothing() -> None:
+    slots = ReturnSlots.create(3, 64)
+    proc = subprocess.Popen([sys.executable, "-c", _RETURN_WRITER, str(slots.fd), "3", str(slots.slot_bytes)],
+                            pass_fds=(slots.fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        for value in (1, 2):
+            assert int(_ask(proc, f"{value} 16")) >= 0
+        assert proc.stdin is not None
+        proc.stdin.write("die\n")
+        proc.stdin.flush()
+        assert proc.wait(60) == -signal.SIGKILL
+        assert slots.filled == 2
+        assert slots.clear() == 2 and slots.filled == 0
+        with pytest.raises(TypeError, match="fp32"):
+            slots.put(torch.zeros(2, dtype=torch.float64))
+        with pytest.raises(ValueError, match="no slot"):
+            slots.take(SlotRef(3, 1, 0))
+        with pytest.raises(ValueError, match="no slot"):
+            slots.take(SlotRef(0, 17, 0))
+        assert slots.filled == 0
+        ref = slots.put(torch.ones(0))
+        assert ref is not None and slots.take(ref).numel() == 0
+        with pytest.raises(ValueError, match="at least one slot"):
+            ReturnSlots.create(0, 64)
+        fd = os.dup(slots.fd)
+        with pytest.raises(ValueError, match="holds"):
+            ReturnSlots.attach(fd, 200, 64)
+        os.close(fd)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        slots.close()
+
+
+def test_return_slots_claimed_by_threads_at_once_are_never_the_same_slot() -> None:
+    """The communication process writes from one thread per synchronizer shard: two threads
+    putting at once each get a slot of their own, and each slot holds what was put in it."""
+    import threading
+
+    slots = ReturnSlots.create(8, 4 * 65536)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns between almost any two bytecodes
+    try:
+        for round_no in range(50):
+            start = threading.Barrier(2)
+            refs: dict[int, list[tuple[SlotRef | None, float]]] = {0: [], 1: []}
+
+            def put_four(writer: int, round_no: int = round_no, start: threading.Barrier = start,
+                         refs: dict = refs) -> None:
+                start.wait()
+                for i in range(4):
+                    value = float(1000 * round_no + 10 * writer + i)
+                    refs[writer].append((slots.put(torch.full((65536,), value)), value))
+
+            threads = [threading.Thread(target=put_four, args=(w,)) for w in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            got = refs[0] + refs[1]
+            assert all(ref is not None for ref, _ in got), "8 puts fit 8 slots"
+            assert len({ref.slot for ref, _ in got if ref is not None}) == 8, f"a slot given twice: {got}"
+            for ref, value in got:
+                assert ref is not None and torch.equal(slots.take(ref), torch.full((65536,), value))
+            assert slots.filled == 0
+    finally:
+        sys.setswitchinterval(interval)
+        slots.close()

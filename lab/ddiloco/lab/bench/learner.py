@@ -362,6 +362,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
     timings: dict[str, list[float]] = {}
     comm_times: dict[str, list[float]] = {"encode": [], "decode": []}
     sends = applies = 0
+    returned = {"slots": 0, "channel": 0}
     cluster = LocalCluster(work, cfg_path, learners=1, steps=train_cfg.steps)
     quiet = args.json
     pinning: dict[str, Any] | None = None
@@ -433,6 +434,8 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                         entry[1] += seconds - b[1]
                 finally:
                     sync.finish()
+            for way, n in getattr(sync.comm, "returned", {}).items():  # --comm process
+                returned[way] += n
             sends += int(sync.timings.get("handoff", [0, 0.0])[0])
             applies += int(sync.timings.get("apply", [0, 0.0])[0])
             if not quiet:
@@ -473,7 +476,8 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         "per_fragment_thread": {**{k: "training" for k in SYNC_PHASES}, **{k: "communication" for k in COMM_PHASES}},
         "counts": {"sends": sends, "applies": applies, "encodes": len(comm_times["encode"]),
                    "decodes": len(comm_times["decode"]), "timed_sends": int(timings.get("handoff", [0])[0]),
-                   "timed_applies": int(timings.get("apply", [0])[0])},
+                   "timed_applies": int(timings.get("apply", [0])[0]),
+                   "arrivals_in_slots": returned["slots"], "arrivals_on_channel": returned["channel"]},
         "pair_overheads": [1.0 - on_p.steps_per_s / off_p.steps_per_s
                            for off_p, on_p in zip(phases[0::2], phases[1::2], strict=True)],
         "pair_overheads_mean": "1 - on steps/s / off steps/s of each repeat's adjacent off and on phases "
@@ -505,6 +509,8 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
           f"decodes {len(comm_times['decode'])}):")
     for phase, ms in per_fragment.items():
         print(f"  {phase:>15} {ms:>8.3f} ms  ({result['per_fragment_thread'][phase]} thread)")
+    if args.comm == "process":
+        print(f"merged fragments back: {returned['slots']} through shared memory, {returned['channel']} on the channel")
     print(f"wrote {out}")
     return 0
 

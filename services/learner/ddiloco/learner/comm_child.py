@@ -2,10 +2,11 @@
 ddiloco.learner.comm_child FD``, started by the training process's ``ProcessComm`` (``comm_process.py``,
 which describes the whole arrangement) with its end of the control channel as descriptor ``FD``.
 
-It reads a ``ChildSpec`` first, attaches the training process's slot pool and shared values, runs
-the learner's ``Comm`` (lanes, links, mailboxes, codecs, reconnects) with a mailbox that forwards
-what training takes, writes everything back from one writer thread, and exits at once when the
-training process is gone.
+It puts its threads under ``SCHED_BATCH``, reads a ``ChildSpec``, attaches the training process's
+slot pool, return slots and shared values, runs the learner's ``Comm`` (lanes, links, mailboxes,
+codecs, reconnects) with a mailbox that forwards what training takes (merged fragments through the
+return slots while one is free), writes everything back from one writer thread, and exits at once
+when the training process is gone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ddiloco.learner.comm_process import (
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
 from ddiloco.learner.session import LiveStats
-from ddiloco.learner.slots import SharedValues, SlotPool
+from ddiloco.learner.slots import ReturnSlots, SharedValues, SlotPool
 from ddiloco.protocol import wire
 
 
@@ -81,13 +82,15 @@ class _ForwardingMailbox(Mailbox):
     """The child's mailbox: what training takes goes to the training process as it comes."""
 
     outbox: _Outbox
+    returns: ReturnSlots
 
     def add_request(self, msg: wire.FragmentRequest) -> None:
         self.outbox.put(("request", msg.fragment_id, msg.round))
 
     def deliver(self, arrival: Arrival) -> None:
-        self.outbox.put(("arrival", arrival.fragment, arrival.version, arrival.resync, arrival.values.numel()),
-                        arrival.values)
+        ref = self.returns.put(arrival.values)
+        self.outbox.put(("arrival", arrival.fragment, arrival.version, arrival.resync, arrival.values.numel(), ref),
+                        arrival.values if ref is None else None)
 
     def settle(self, msg: wire.ContributionResult) -> None:
         super().settle(msg)
@@ -96,7 +99,7 @@ class _ForwardingMailbox(Mailbox):
             self.outbox.put(("heals", sorted(heals)))
 
 
-def _child(fd: int) -> None:
+def _child(fd: int, batch: bool = True) -> None:
     from ddiloco.learner.comm import Comm
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the training process's call
@@ -107,10 +110,14 @@ def _child(fd: int) -> None:
     except EOFError:
         return
     logs.configure(**spec.log_settings)
+    if not batch:
+        logs.get_logger("ddiloco.learner.comm").warning(
+            "SCHED_BATCH refused: the communication process may preempt training when it wakes")
     outbox = _Outbox(conn)
     events = EventLog(None, **spec.bound)
     events.observers.append(lambda event, fields: outbox.put(("event", time.time(), event, fields)))
     pool = SlotPool.attach(spec.pool_fd, spec.pool_count, spec.pool_slot_bytes)
+    returns = ReturnSlots.attach(spec.returns_fd, spec.returns_count, spec.returns_slot_bytes)
     shared = SharedValues.attach(spec.shared_fd, STATS + spec.layout.num_fragments)
 
     def held() -> dict[int, int]:
@@ -131,7 +138,7 @@ def _child(fd: int) -> None:
 
     def mailbox(ev: EventLog) -> Mailbox:
         box = _ForwardingMailbox(ev)
-        box.outbox = outbox
+        box.outbox, box.returns = outbox, returns
         return box
 
     comm = Comm(spec.cfg, layout=spec.layout, model_fingerprint=spec.model_fingerprint,
@@ -243,5 +250,28 @@ def _watch(comm: Any, outbox: _Outbox, stop: threading.Event, rejoined: bool, sh
             last, last_at = key, now
 
 
+def batch_policy() -> bool:
+    """Put every thread of this process (and so every thread it starts later) under
+    ``SCHED_BATCH``: a woken thread of it never preempts a running task, the training thread
+    included, and waits for that task's slice to end; it keeps its fair share of the CPUs.
+    (The training process already set the main thread's policy as it started this one; importing
+    torch starts threads of its own before this runs.) False where the policy does not exist or
+    is refused: the threads it was refused for keep the normal policy, and the child works on."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return False
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except OSError:
+            return False
+    return True
+
+
 if __name__ == "__main__":
-    _child(int(sys.argv[1]))
+    _child(int(sys.argv[1]), batch_policy())

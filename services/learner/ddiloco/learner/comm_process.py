@@ -13,7 +13,10 @@ thread of its own:
 - **What comes back** (the synchronizer's requests, merged fragments, heals, the join, drains,
   byte counts and the communication side's events) is written on the channel by the child as it
   happens (whatever is waiting, in one write) and read by the training process without blocking
-  when it asks (``take_requests``, ``take_arrivals``...), at its step boundaries. Events are
+  when it asks (``take_requests``, ``take_arrivals``...), at its step boundaries. A merged
+  fragment's values come back through shared memory too (``ReturnSlots``: the child copies them
+  into a free slot, training copies them out and frees it, no message back); when every slot is
+  filled they follow their message on the channel. Events are
   written to the learner's log with the time they happened in the child; a learner killed between
   two boundaries loses the events of that interval that it had not read (thread mode writes them
   at once).
@@ -29,12 +32,19 @@ thread of its own:
 - **The training process's death ends the child**: its end of the channel reads end-of-file and
   it exits at once. The child ignores SIGINT and SIGTERM: stopping is the training process's
   call (``drain``), as in thread mode.
+- **The child never preempts training.** It runs under ``SCHED_BATCH`` (Linux): a woken child
+  (a hand-off's write wakes it) waits for the CPU's current slice instead of preempting the
+  training thread inside the write; it still gets its fair share of the CPUs. Set on the child as
+  soon as it is started, and by the child on every thread it has.
 
-Messages are pickled tuples; fragment values travel as raw bytes right after their message.
+Messages are pickled tuples; fragment values that do not travel in slots follow their message as
+raw bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import select
 import socket
@@ -57,7 +67,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
 from ddiloco.learner.session import LiveStats
-from ddiloco.learner.slots import SharedValues, SlotPool, SlotRef
+from ddiloco.learner.slots import ReturnSlots, SharedValues, SlotPool, SlotRef
 from ddiloco.protocol import wire
 
 MAX_RESTARTS = 5
@@ -65,6 +75,10 @@ RESTART_WINDOW_S = 60.0
 """More deaths of the communication process than this within this window end training."""
 STATS = 5
 """Shared values before the held versions: step, tokens_total, tokens_per_s, step_time_s, training_done."""
+RETURN_SLOTS = 4
+"""Slots for merged fragments on their way back to training (about one arrives per inner step
+at the defaults, and training reads them at every step; a burst, a resync of every fragment,
+sends the rest on the channel)."""
 STOP_TIMEOUT_S = 20.0
 """How long ``stop`` waits for the child to say goodbye before it is killed."""
 
@@ -90,6 +104,10 @@ class ChildSpec:
     shared_fd: int
     """The training side's pace and held versions (``SharedValues``: ``STATS`` values, then one
     version per fragment, -1 where none is held)."""
+    returns_fd: int
+    returns_count: int
+    returns_slot_bytes: int
+    """Where merged fragments come back (``ReturnSlots``)."""
     rejoin: bool
     """A restart: joined already, so every session is a reconnect."""
     log_settings: dict[str, Any] = field(default_factory=dict)
@@ -175,12 +193,15 @@ class ProcessComm:
         self.join = _Join(self, self.shards)
         self.bytes_sent = self.bytes_received = 0
         self.restarts = 0
+        self.returned = {"slots": 0, "channel": 0}
+        """How merged fragments came back: through the return slots, or on the channel (every slot filled)."""
         self.log = get_logger("ddiloco.learner.comm", learner_id=cfg.resolved_id)
         self._box = Mailbox(events)
         """Requests, heals and arrivals as the child reports them (the training side of a mailbox)."""
         self._sent: dict[int, _Sent] = {}
         self._resync_wanted: set[int] = set()
         self._pool: SlotPool | None = None
+        self._returns: ReturnSlots | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._poller: select.poll | None = None
@@ -205,24 +226,30 @@ class ProcessComm:
     def start(self) -> None:
         biggest = max(f.numel for f in self.layout)
         self._pool = SlotPool.create(self.layout.num_fragments + 2, 4 * biggest)
+        self._returns = ReturnSlots.create(RETURN_SLOTS, 4 * biggest)
         self._shared = SharedValues.create(STATS + self.layout.num_fragments)
         self._spawn(rejoin=False)
 
     def _spawn(self, *, rejoin: bool) -> None:
-        assert self._pool is not None and self._shared is not None
+        assert self._pool is not None and self._shared is not None and self._returns is not None
+        self._returns.clear()  # no child writes them now, and training holds none
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "ddiloco.learner.comm_child", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(), self._pool.fd, self._shared.fd), stdin=subprocess.DEVNULL)
+                pass_fds=(theirs.fileno(), self._pool.fd, self._shared.fd, self._returns.fd), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
+        if hasattr(os, "SCHED_BATCH"):  # from its first instruction (its imports); the child sets the rest
+            with contextlib.suppress(OSError):  # refused, or gone already: the child tries again and says so
+                os.sched_setscheduler(self._proc.pid, os.SCHED_BATCH, os.sched_param(0))
         self._conn = Connection(ours.detach())
         self._poller = select.poll()
         self._poller.register(self._conn.fileno(), select.POLLIN)
         spec = ChildSpec(self.cfg, self.layout, self.model_fingerprint, self.incarnation, self.labels,
                      dict(self.events.bound), self._pool.fd, self._pool.count, self._pool.slot_bytes,
-                     self._shared.fd, rejoin, logs.settings())
+                     self._shared.fd, self._returns.fd, self._returns.count, self._returns.slot_bytes, rejoin,
+                     logs.settings())
         self._conn.send_bytes(pickle.dumps(spec))
 
     def _died(self) -> None:
@@ -300,8 +327,14 @@ class ProcessComm:
         elif kind == "heals":
             self._box.add_heals(msg[1])
         elif kind == "arrival":
-            _, fragment, version, resync, numel = msg
-            values = recv_values(conn, numel)
+            _, fragment, version, resync, numel, ref = msg
+            if ref is None:
+                values = recv_values(conn, numel)
+                self.returned["channel"] += 1
+            else:
+                assert self._returns is not None
+                values = self._returns.take(ref)
+                self.returned["slots"] += 1
             if resync:
                 self._resync_wanted.discard(fragment)
             self._box.deliver(Arrival(fragment, version, values, resync))
@@ -428,3 +461,6 @@ class ProcessComm:
         if self._shared is not None:
             self._shared.close()
             self._shared = None
+        if self._returns is not None:
+            self._returns.close()
+            self._returns = None

@@ -15,6 +15,13 @@ it is open): it has no name to leak, and the kernel frees it when the last proce
 exits, however that process ends (a SIGKILL included). Only fp32 travels here (fragments are flat
 fp32 on the CPU). Nothing here blocks: a full pool makes ``put`` return None, and the caller
 decides what to do instead.
+
+``ReturnSlots`` goes the other way (merged fragments from the communication process back to
+training) and needs no message back: each slot's state (free or filled) is a byte at the head of
+the block. The writer fills a free slot and marks it; the reader copies the values out and marks
+it free again. Either process may die at any moment: the training process creates the block (it
+outlives any communication process) and, before it starts another, frees every slot (it keeps no
+view of one: it copies at once).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import mmap
 import os
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -202,3 +210,98 @@ class SlotPool:
         if numel == 0:
             return torch.empty(0)
         return torch.frombuffer(self.buf, dtype=torch.float32, count=numel, offset=slot * self.slot_bytes)
+
+
+class ReturnSlots:
+    """Fragment-sized fp32 slots whose state lives in the shared block: one byte per slot at its
+    head, set by the writing process when it claims and fills a slot (``put``) and by the reading
+    process when it has copied the values out (``take``). No free list, no message back, nothing
+    locked between the processes: a byte leaves the free state only in the writer and returns to
+    it only in the reader, and each side changes a slot only in the state the other left it in.
+    Threads of the writing process (one per synchronizer shard) claim slots under a lock of their
+    own. ``take`` copies (the values outlive the slot); ``clear`` frees every slot (the reader's,
+    once no writer is attached)."""
+
+    FREE, CLAIMED, FILLED = 0, 2, 1
+
+    def __init__(self, fd: int, count: int, slot_bytes: int) -> None:
+        self.fd, self.count, self.slot_bytes = fd, count, slot_bytes
+        self.head = -(-count // _ALIGN) * _ALIGN
+        size = os.fstat(fd).st_size
+        if size < self.head + count * slot_bytes:
+            raise ValueError(f"the shared block holds {size} bytes, not {count} x {slot_bytes} and their states")
+        self.buf = mmap.mmap(fd, self.head + count * slot_bytes)
+        self._claiming = threading.Lock()
+
+    @classmethod
+    def create(cls, count: int, slot_bytes: int) -> ReturnSlots:
+        """A new block of ``count`` free slots of at least ``slot_bytes`` each."""
+        if count < 1 or slot_bytes < 4:
+            raise ValueError(f"return slots need at least one slot of 4 bytes, got {count} x {slot_bytes}")
+        slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
+        head = -(-count // _ALIGN) * _ALIGN
+        return cls(_anonymous_file(head + count * slot_bytes), count, slot_bytes)
+
+    @classmethod
+    def attach(cls, fd: int, count: int, slot_bytes: int) -> ReturnSlots:
+        """The other process's side: its inherited descriptor, count and slot size."""
+        return cls(fd, count, slot_bytes)
+
+    @property
+    def max_values(self) -> int:
+        return self.slot_bytes // 4
+
+    @property
+    def filled(self) -> int:
+        """Slots not free (filled, or being filled)."""
+        return self.count - self.buf[: self.count].count(self.FREE)
+
+    def put(self, values: torch.Tensor) -> SlotRef | None:
+        """(The writer) copy flat fp32 ``values`` into a free slot and mark it filled; None when
+        none is free or the values do not fit one (the caller sends them another way)."""
+        if values.dtype != torch.float32:
+            raise TypeError(f"slots hold fp32 values, got {values.dtype}")
+        numel = values.numel()
+        if numel > self.max_values:
+            return None
+        with self._claiming:  # another thread of this process may be looking for a free slot too
+            slot = self.buf.find(bytes([self.FREE]), 0, self.count)
+            if slot < 0:
+                return None
+            self.buf[slot] = self.CLAIMED
+        self._tensor(slot, numel).copy_(values.detach().reshape(-1))
+        self.buf[slot] = self.FILLED  # the reader learns of the slot from a message sent after this
+        return SlotRef(slot, numel, 0)
+
+    def take(self, ref: SlotRef) -> torch.Tensor:
+        """(The reader) a copy of a filled slot's values; the slot is free again."""
+        if not 0 <= ref.slot < self.count or not 0 <= ref.numel <= self.max_values:
+            raise ValueError(f"no slot {ref.slot} of {ref.numel} values in {self.count} x {self.max_values}")
+        if self.buf[ref.slot] != self.FILLED:
+            raise ValueError(f"slot {ref.slot} is not filled")
+        view = self._tensor(ref.slot, ref.numel)
+        values = view.clone()
+        # Freed only once the copy is complete: releasing the view (its last reference: torch's
+        # atomic acquire-release decrement) comes between the copy's reads and this store, so neither
+        # can pass it, and the writer cannot see the slot free before the copy has read it (x86
+        # keeps that order anyway; weaker CPUs, Arm, need the fence).
+        del view
+        self.buf[ref.slot] = self.FREE
+        return values
+
+    def clear(self) -> int:
+        """(The reader, when no writer is attached) free every slot; how many were filled."""
+        filled = self.filled
+        self.buf[: self.count] = bytes([self.FREE]) * self.count
+        return filled
+
+    def close(self) -> None:
+        try:
+            self.buf.close()
+        finally:
+            os.close(self.fd)
+
+    def _tensor(self, slot: int, numel: int) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0)
+        return torch.frombuffer(self.buf, dtype=torch.float32, count=numel, offset=self.head + slot * self.slot_bytes)
