@@ -3,7 +3,8 @@
 owns (p mod S == s), a learner joining later fetches the model from every shard, the export puts
 the shards' state dirs together (and refuses a set with a shard missing), addresses given in the
 wrong order are refused at the handshake, and one shard killed and restarted stalls only its own
-fragments: training and the other shard's merges go on."""
+fragments: training and the other shard's merges go on. The same with the learner's communication
+in a process of its own."""
 
 from __future__ import annotations
 
@@ -120,6 +121,51 @@ def test_two_shards_merge_their_own_fragments_and_the_model_is_put_together_from
     missing = _export(tmp_path / "state-0", out=tmp_path / "half.safetensors")
     assert missing.returncode != 0 and "shards [1] of 2 are missing" in missing.stderr
     assert not (tmp_path / "half.safetensors").exists()
+
+
+def test_two_shards_with_the_communication_in_a_process(tmp_path):
+    """``learner.comm: process`` against two shards: the communication process runs one lane (a
+    thread) per shard, and both deliver merged fragments into the same return slots. A heal of
+    every fragment has both shards' fragments come back at once: each is applied whole (a slot
+    given to two lanes would hand training another fragment's values, or one not filled), and
+    both shards go on merging their own fragments after it."""
+    config = tmp_path / "config.yaml"
+    config.write_text(PROTOCOL)
+    with _shard(tmp_path, 0, config) as first, _shard(tmp_path, 1, config) as second:
+        model = _mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        log = tmp_path / "a.jsonl"
+        sync = DecoupledSync(model, optimizer=opt, synchronizer=f"{first},{second}", learner_id="a", fragments=4,
+                             sync_every=4, steps=MAX_STEPS, event_log=str(log), join_timeout_s=60.0, comm="process")
+        assert sync.comm.shards == 2
+        gen = torch.Generator().manual_seed(1)
+        assert sync.join() == 0
+        healed_at = 0
+        at_heal: dict[int, int] = {}
+        losses = []
+        step = 0
+        while step < MAX_STEPS:  # a deadline in steps: a slower machine is slower per step and per merge alike
+            step += 1
+            losses.append(_step(model, opt, gen))
+            sync.step(tokens=32, loss=losses[-1])
+            if not healed_at and min(sync.versions.values()) >= 1:
+                sync.heal(None, "a test's heal")
+                healed_at, at_heal = step, dict(sync.versions)
+            if healed_at and step >= healed_at + 8 and all(sync.versions[p] > at_heal[p] for p in range(4)):
+                break
+        assert healed_at, f"a fragment never merged: {sync.versions}"
+        assert all(sync.versions[p] > at_heal[p] for p in range(4)), f"merges stopped: {at_heal} -> {sync.versions}"
+        assert sync.comm.returned["slots"] > 0, "merged fragments come back through shared memory"
+        assert sync.finish()
+    events = _events(log)
+    after = [e for e in events if e["event"] == "apply" and e["step"] > healed_at]
+    # the heal's fetch of each fragment is applied, unless a newer merge of it arrived first and replaced it
+    assert {e["fragment"] for e in after} == {0, 1, 2, 3} and any(e["resync"] for e in after), after
+    assert sorted(e["synchronizer_shard"] for e in events if e["event"] == "connect") == ["0/2", "1/2"]
+    for s in (0, 1):
+        merged = {e["fragment"] for e in _events(tmp_path / f"sync-{s}.jsonl") if e["event"] == "merge"}
+        assert merged == OWNED[s], f"shard {s} merged fragments {merged}, it owns {OWNED[s]}"
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
 def test_shard_addresses_in_the_wrong_order_are_refused_at_the_handshake(tmp_path):
