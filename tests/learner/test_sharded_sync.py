@@ -15,6 +15,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +58,16 @@ def _shard(tmp_path: pathlib.Path, s: int, config: pathlib.Path, *extra: str,
                         *extra, started=started)
 
 
+def _learner(first: str, second: str, log: pathlib.Path, **settings: Any
+             ) -> tuple[nn.Module, torch.optim.Optimizer, DecoupledSync]:
+    """Learner ``a`` on both shards (``settings``: more learner settings): its model, optimizer and sync."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = DecoupledSync(model, optimizer=opt, synchronizer=f"{first},{second}", learner_id="a", fragments=4,
+                         sync_every=4, event_log=str(log), join_timeout_s=60.0, **settings)
+    return model, opt, sync
+
+
 def _export(*state_dirs: pathlib.Path, out: pathlib.Path) -> subprocess.CompletedProcess[str]:
     args = [a for d in state_dirs for a in ("--state-dir", str(d))]
     return subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "export", *args, "--out", str(out)],
@@ -67,11 +78,7 @@ def test_two_shards_merge_their_own_fragments_and_the_model_is_put_together_from
     config = tmp_path / "config.yaml"
     config.write_text(PROTOCOL)
     with _shard(tmp_path, 0, config) as first, _shard(tmp_path, 1, config) as second:
-        model = _mlp()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        log = tmp_path / "a.jsonl"
-        sync = DecoupledSync(model, optimizer=opt, synchronizer=f"{first},{second}", learner_id="a", fragments=4,
-                             sync_every=4, steps=40, event_log=str(log), join_timeout_s=60.0)
+        model, opt, sync = _learner(first, second, log := tmp_path / "a.jsonl", steps=40)
         assert sync.comm.shards == 2
         gen = torch.Generator().manual_seed(1)
         assert sync.join() == 0
@@ -132,11 +139,7 @@ def test_two_shards_with_the_communication_in_a_process(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(PROTOCOL)
     with _shard(tmp_path, 0, config) as first, _shard(tmp_path, 1, config) as second:
-        model = _mlp()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        log = tmp_path / "a.jsonl"
-        sync = DecoupledSync(model, optimizer=opt, synchronizer=f"{first},{second}", learner_id="a", fragments=4,
-                             sync_every=4, steps=MAX_STEPS, event_log=str(log), join_timeout_s=60.0, comm="process")
+        model, opt, sync = _learner(first, second, log := tmp_path / "a.jsonl", steps=MAX_STEPS, comm="process")
         assert sync.comm.shards == 2
         gen = torch.Generator().manual_seed(1)
         assert sync.join() == 0
@@ -213,10 +216,7 @@ def test_one_shard_down_stalls_only_its_own_fragments(tmp_path):
     with contextlib.ExitStack() as stack:
         first = stack.enter_context(_shard(tmp_path, 0, config))
         second = stack.enter_context(_shard(tmp_path, 1, config, "--listen", f"127.0.0.1:{port}", started=started))
-        model = _mlp()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        sync = DecoupledSync(model, optimizer=opt, synchronizer=f"{first},{second}", learner_id="a", fragments=4,
-                             sync_every=4, steps=MAX_STEPS, event_log=str(log), join_timeout_s=60.0)
+        model, opt, sync = _learner(first, second, log, steps=MAX_STEPS)
         gen = torch.Generator().manual_seed(1)
         assert sync.join() == 0
         down_at = up_at = 0

@@ -266,70 +266,77 @@ _RETURN_WRITER = textwrap.dedent("""
 """)
 
 
-def test_return_slots_come_back_to_their_writer_through_the_block_itself() -> None:
+@pytest.fixture
+def return_writer():
+    """Start ``_RETURN_WRITER`` on a block of return slots; killed if it still runs at the end, and
+    the block closed."""
+    started: list[tuple[subprocess.Popen[str], ReturnSlots]] = []
+
+    def start(slots: ReturnSlots) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", _RETURN_WRITER, str(slots.fd), str(slots.count),
+                                 str(slots.slot_bytes)], pass_fds=(slots.fd,), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        started.append((proc, slots))
+        return proc
+
+    yield start
+    for proc, slots in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        slots.close()
+
+
+def test_return_slots_come_back_to_their_writer_through_the_block_itself(return_writer) -> None:
     """Another process fills slots; this one copies each out, which frees it for the writer with no
     message; a full block makes the writer's put return None until the reader takes one."""
     slots = ReturnSlots.create(2, 4 * 100)
-    proc = subprocess.Popen([sys.executable, "-c", _RETURN_WRITER, str(slots.fd), "2", str(slots.slot_bytes)],
-                            pass_fds=(slots.fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        first = SlotRef(int(_ask(proc, "1.5 100")), 100, 0)
-        second = SlotRef(int(_ask(proc, "2.5 7")), 7, 0)
-        assert {first.slot, second.slot} == {0, 1} and slots.filled == 2
-        assert _ask(proc, "3.5 10").strip() == "-1", "every slot filled: the writer sends another way"
-        assert _ask(proc, "1 101").strip() == "-1", "values larger than a slot never go in one"
-        values = slots.take(first)
-        assert torch.equal(values, torch.full((100,), 1.5)) and slots.filled == 1
-        with pytest.raises(ValueError, match="not filled"):
-            slots.take(first)
-        again = SlotRef(int(_ask(proc, "4.5 3")), 3, 0)
-        assert again.slot == first.slot, "the slot the reader freed is the writer's again"
-        assert torch.equal(values, torch.full((100,), 1.5)), "what was taken is a copy: refilling leaves it"
-        assert torch.equal(slots.take(again), torch.full((3,), 4.5))
-        assert torch.equal(slots.take(second), torch.full((7,), 2.5)) and slots.filled == 0
-        assert proc.stdin is not None
-        proc.stdin.close()
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        slots.close()
+    proc = return_writer(slots)
+    first = SlotRef(int(_ask(proc, "1.5 100")), 100, 0)
+    second = SlotRef(int(_ask(proc, "2.5 7")), 7, 0)
+    assert {first.slot, second.slot} == {0, 1} and slots.filled == 2
+    assert _ask(proc, "3.5 10").strip() == "-1", "every slot filled: the writer sends another way"
+    assert _ask(proc, "1 101").strip() == "-1", "values larger than a slot never go in one"
+    values = slots.take(first)
+    assert torch.equal(values, torch.full((100,), 1.5)) and slots.filled == 1
+    with pytest.raises(ValueError, match="not filled"):
+        slots.take(first)
+    again = SlotRef(int(_ask(proc, "4.5 3")), 3, 0)
+    assert again.slot == first.slot, "the slot the reader freed is the writer's again"
+    assert torch.equal(values, torch.full((100,), 1.5)), "what was taken is a copy: refilling leaves it"
+    assert torch.equal(slots.take(again), torch.full((3,), 4.5))
+    assert torch.equal(slots.take(second), torch.full((7,), 2.5)) and slots.filled == 0
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(60) == 0
 
 
-def test_return_slots_filled_by_a_writer_killed_are_cleared_and_bad_input_changes_nothing() -> None:
+def test_return_slots_filled_by_a_writer_killed_are_cleared_and_bad_input_changes_nothing(return_writer) -> None:
     slots = ReturnSlots.create(3, 64)
-    proc = subprocess.Popen([sys.executable, "-c", _RETURN_WRITER, str(slots.fd), "3", str(slots.slot_bytes)],
-                            pass_fds=(slots.fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        for value in (1, 2):
-            assert int(_ask(proc, f"{value} 16")) >= 0
-        assert proc.stdin is not None
-        proc.stdin.write("die\n")
-        proc.stdin.flush()
-        assert proc.wait(60) == -signal.SIGKILL
-        assert slots.filled == 2
-        assert slots.clear() == 2 and slots.filled == 0
-        with pytest.raises(TypeError, match="fp32"):
-            slots.put(torch.zeros(2, dtype=torch.float64))
-        with pytest.raises(ValueError, match="no slot"):
-            slots.take(SlotRef(3, 1, 0))
-        with pytest.raises(ValueError, match="no slot"):
-            slots.take(SlotRef(0, 17, 0))
-        assert slots.filled == 0
-        ref = slots.put(torch.ones(0))
-        assert ref is not None and slots.take(ref).numel() == 0
-        with pytest.raises(ValueError, match="at least one slot"):
-            ReturnSlots.create(0, 64)
-        fd = os.dup(slots.fd)
-        with pytest.raises(ValueError, match="holds"):
-            ReturnSlots.attach(fd, 200, 64)
-        os.close(fd)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        slots.close()
+    proc = return_writer(slots)
+    for value in (1, 2):
+        assert int(_ask(proc, f"{value} 16")) >= 0
+    assert proc.stdin is not None
+    proc.stdin.write("die\n")
+    proc.stdin.flush()
+    assert proc.wait(60) == -signal.SIGKILL
+    assert slots.filled == 2
+    assert slots.clear() == 2 and slots.filled == 0
+    with pytest.raises(TypeError, match="fp32"):
+        slots.put(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="no slot"):
+        slots.take(SlotRef(3, 1, 0))
+    with pytest.raises(ValueError, match="no slot"):
+        slots.take(SlotRef(0, 17, 0))
+    assert slots.filled == 0
+    ref = slots.put(torch.ones(0))
+    assert ref is not None and slots.take(ref).numel() == 0
+    with pytest.raises(ValueError, match="at least one slot"):
+        ReturnSlots.create(0, 64)
+    fd = os.dup(slots.fd)
+    with pytest.raises(ValueError, match="holds"):
+        ReturnSlots.attach(fd, 200, 64)
+    os.close(fd)
 
 
 def test_return_slots_claimed_by_threads_at_once_are_never_the_same_slot() -> None:

@@ -60,7 +60,21 @@ def _anonymous_file(size: int) -> int:
     return fd
 
 
-class SharedValues:
+class _Mapped:
+    """A shared block this process mapped from its descriptor ``fd`` (``buf``)."""
+
+    fd: int
+    buf: mmap.mmap
+
+    def close(self) -> None:
+        """Unmap and close this process's descriptor. Every tensor viewing the block must be gone."""
+        try:
+            self.buf.close()
+        finally:
+            os.close(self.fd)
+
+
+class SharedValues(_Mapped):
     """A few float64 values one process writes and another reads, in shared memory, with no
     message and no lock: the writer bumps a sequence number to odd before it writes and to even
     after; a reader retries a copy that saw it odd or changed (a sequence lock). Integers are
@@ -116,14 +130,8 @@ class SharedValues:
             time.sleep(0)
         raise RuntimeError("shared values kept changing while being read")
 
-    def close(self) -> None:
-        try:
-            self.buf.close()
-        finally:
-            os.close(self.fd)
 
-
-class SlotPool:
+class SlotPool(_Mapped):
     def __init__(self, fd: int, count: int, slot_bytes: int, *, owner: bool) -> None:
         size = os.fstat(fd).st_size
         if size < count * slot_bytes:
@@ -195,13 +203,6 @@ class SlotPool:
         self._held.clear()
         return held
 
-    def close(self) -> None:
-        """Unmap and close this process's descriptor. Every tensor from ``view`` must be gone."""
-        try:
-            self.buf.close()
-        finally:
-            os.close(self.fd)
-
     def _owned(self, what: str) -> None:
         if not self.owner:
             raise RuntimeError(f"only the pool's owner may {what}")
@@ -212,7 +213,7 @@ class SlotPool:
         return torch.frombuffer(self.buf, dtype=torch.float32, count=numel, offset=slot * self.slot_bytes)
 
 
-class ReturnSlots:
+class ReturnSlots(_Mapped):
     """Fragment-sized fp32 slots whose state lives in the shared block: one byte per slot at its
     head, set by the writing process when it claims and fills a slot (``put``) and by the reading
     process when it has copied the values out (``take``). No free list, no message back, nothing
@@ -294,12 +295,6 @@ class ReturnSlots:
         filled = self.filled
         self.buf[: self.count] = bytes([self.FREE]) * self.count
         return filled
-
-    def close(self) -> None:
-        try:
-            self.buf.close()
-        finally:
-            os.close(self.fd)
 
     def _tensor(self, slot: int, numel: int) -> torch.Tensor:
         if numel == 0:
