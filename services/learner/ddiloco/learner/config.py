@@ -81,9 +81,10 @@ class LearnerConfig:
     the floored step further. 0: no floor."""
     comm: Literal["thread", "process"] = "thread"
     """Where the communication runs: a thread of the training process (it shares the interpreter
-    lock with the training loop), or a process of its own, handed fragments through shared memory
-    and started again if it dies (needs ``P + 2`` fragment-sized slots of shared memory; see
-    docs/design-notes.md, "Communication in a process of its own")."""
+    lock with the training loop), or a process of its own, handed fragments and handing merged
+    ones back through shared memory, run under ``SCHED_BATCH`` on Linux (it never preempts
+    training), and started again if it dies (needs ``P + 2`` fragment-sized slots of shared memory
+    out and 4 back; see docs/design-notes.md, "Communication in a process of its own")."""
     codec: CodecName = "bf16_zstd"
     """Codec of contributions."""
     error_feedback: bool = True
