@@ -118,7 +118,10 @@ def test_sharded_points_report_each_shards_merges_cpu_and_bytes(tmp_path):
             # every shard merged only its own fragments: p mod S == s
             assert {e["fragment"] % f["shards"] for e in merges} == {s["shard"]}
             rx, tx = [e["rx_bytes"] for e in merges], [e["tx_bytes"] for e in merges]
-            assert rx == sorted(rx) and tx == sorted(tx) and rx[-1] > rx[0]
+            # running totals: they never go back. Whether any bytes came in between a shard's first and
+            # last merge depends on the machine's speed (a fast one can have all of a short run's
+            # contributions in before its first merge), so only that there were bytes is asserted.
+            assert rx == sorted(rx) and tx == sorted(tx) and rx[-1] > 0 and tx[-1] > 0
             span = merges[-1]["t"] - merges[0]["t"]
             assert s["rx_bytes_per_s"] == pytest.approx((rx[-1] - rx[0]) / span)
             assert s["tx_bytes_per_s"] == pytest.approx((tx[-1] - tx[0]) / span)
