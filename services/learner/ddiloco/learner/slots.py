@@ -74,6 +74,27 @@ class _Mapped:
             os.close(self.fd)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _Slots(_Mapped):
+    """``count`` slots of ``slot_bytes`` each, from byte ``head`` of the block on."""
+
+    count: int
+    slot_bytes: int
+    head: int = 0
+
+    @property
+    def max_values(self) -> int:
+        return self.slot_bytes // 4
+
+    def _tensor(self, slot: int, numel: int) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0)
+        return torch.frombuffer(self.buf, dtype=torch.float32, count=numel, offset=self.head + slot * self.slot_bytes)
+
+
 class SharedValues(_Mapped):
     """A few float64 values one process writes and another reads, in shared memory, with no
     message and no lock: the writer bumps a sequence number to odd before it writes and to even
@@ -131,7 +152,7 @@ class SharedValues(_Mapped):
         raise RuntimeError("shared values kept changing while being read")
 
 
-class SlotPool(_Mapped):
+class SlotPool(_Slots):
     def __init__(self, fd: int, count: int, slot_bytes: int, *, owner: bool) -> None:
         size = os.fstat(fd).st_size
         if size < count * slot_bytes:
@@ -147,17 +168,13 @@ class SlotPool(_Mapped):
         """A new pool of ``count`` slots of at least ``slot_bytes`` each, owned by this process."""
         if count < 1 or slot_bytes < 4:
             raise ValueError(f"a slot pool needs at least one slot of 4 bytes, got {count} x {slot_bytes}")
-        slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
+        slot_bytes = _aligned(slot_bytes)
         return cls(_anonymous_file(count * slot_bytes), count, slot_bytes, owner=True)
 
     @classmethod
     def attach(cls, fd: int, count: int, slot_bytes: int) -> SlotPool:
         """The peer's side of a pool: its inherited descriptor, count and slot size."""
         return cls(fd, count, slot_bytes, owner=False)
-
-    @property
-    def max_values(self) -> int:
-        return self.slot_bytes // 4
 
     @property
     def free_slots(self) -> int:
@@ -207,13 +224,9 @@ class SlotPool(_Mapped):
         if not self.owner:
             raise RuntimeError(f"only the pool's owner may {what}")
 
-    def _tensor(self, slot: int, numel: int) -> torch.Tensor:
-        if numel == 0:
-            return torch.empty(0)
-        return torch.frombuffer(self.buf, dtype=torch.float32, count=numel, offset=slot * self.slot_bytes)
 
 
-class ReturnSlots(_Mapped):
+class ReturnSlots(_Slots):
     """Fragment-sized fp32 slots whose state lives in the shared block: one byte per slot at its
     head, set by the writing process when it claims and fills a slot (``put``) and by the reading
     process when it has copied the values out (``take``). No free list, no message back, nothing
@@ -227,7 +240,7 @@ class ReturnSlots(_Mapped):
 
     def __init__(self, fd: int, count: int, slot_bytes: int) -> None:
         self.fd, self.count, self.slot_bytes = fd, count, slot_bytes
-        self.head = -(-count // _ALIGN) * _ALIGN
+        self.head = _aligned(count)
         size = os.fstat(fd).st_size
         if size < self.head + count * slot_bytes:
             raise ValueError(f"the shared block holds {size} bytes, not {count} x {slot_bytes} and their states")
@@ -239,18 +252,13 @@ class ReturnSlots(_Mapped):
         """A new block of ``count`` free slots of at least ``slot_bytes`` each."""
         if count < 1 or slot_bytes < 4:
             raise ValueError(f"return slots need at least one slot of 4 bytes, got {count} x {slot_bytes}")
-        slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
-        head = -(-count // _ALIGN) * _ALIGN
-        return cls(_anonymous_file(head + count * slot_bytes), count, slot_bytes)
+        slot_bytes = _aligned(slot_bytes)
+        return cls(_anonymous_file(_aligned(count) + count * slot_bytes), count, slot_bytes)
 
     @classmethod
     def attach(cls, fd: int, count: int, slot_bytes: int) -> ReturnSlots:
         """The other process's side: its inherited descriptor, count and slot size."""
         return cls(fd, count, slot_bytes)
-
-    @property
-    def max_values(self) -> int:
-        return self.slot_bytes // 4
 
     @property
     def filled(self) -> int:
@@ -295,8 +303,3 @@ class ReturnSlots(_Mapped):
         filled = self.filled
         self.buf[: self.count] = bytes([self.FREE]) * self.count
         return filled
-
-    def _tensor(self, slot: int, numel: int) -> torch.Tensor:
-        if numel == 0:
-            return torch.empty(0)
-        return torch.frombuffer(self.buf, dtype=torch.float32, count=numel, offset=self.head + slot * self.slot_bytes)
