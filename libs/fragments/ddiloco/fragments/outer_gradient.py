@@ -69,13 +69,18 @@ def all_finite(values: torch.Tensor) -> bool:
     proves every value finite: one reduction that allocates nothing, where ``isfinite().all()``
     builds a boolean tensor the size of the input first (measured on 2 cores, 16M fp32 values:
     3 ms against 42). A non-finite sum is either a non-finite value or finite values whose sum
-    overflows; only then is every value checked.
+    overflows; only then is every value checked. The sum is read as a Python float and checked by
+    ``math.isfinite``, not by ``torch.isfinite``: on a learner's training thread, right after an
+    inner step, a call into torch's ``isfinite`` took about 95 us where summing and reading the sum
+    took 30 (a kernel training never runs is cold then; measured at 0.24M parameters).
     """
+    import math
+
     import torch
 
     if values.numel() == 0:
         return True
-    if bool(torch.isfinite(values.sum())):
+    if math.isfinite(values.sum().item()):
         return True
     return bool(torch.isfinite(values).all())
 
@@ -139,4 +144,4 @@ class BoundFragment:
             raise ValueError(f"flat buffer has {flat.numel()} values, fragment {self.fragment.index} has "
                              f"{self.fragment.numel}")
         with torch.no_grad():
-            torch._foreach_copy_(views, list(flat.reshape(-1).split(self.sizes)))
+            torch._foreach_copy_(views, flat.reshape(-1).split_with_sizes(self.sizes))

@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import select
 import socket
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from ddiloco.core import events as schema
 from ddiloco.core import logs
 from ddiloco.core.logs import get_logger
 from ddiloco.fragments.partition import FragmentLayout
+from ddiloco.learner.channel import Channel
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
@@ -113,14 +113,21 @@ class ChildSpec:
     log_settings: dict[str, Any] = field(default_factory=dict)
 
 
-def send_values(conn: Connection, values: torch.Tensor) -> None:
-    conn.send_bytes(values.detach().reshape(-1).contiguous().numpy().data.cast("B"))
+def send_values(conn: Connection | Channel, values: torch.Tensor) -> None:
+    data = values.detach().reshape(-1).contiguous().numpy().data.cast("B")
+    if isinstance(conn, Channel):
+        conn.send(data)
+    else:
+        conn.send_bytes(data)
 
 
-def recv_values(conn: Connection, numel: int) -> torch.Tensor:
+def recv_values(conn: Connection | Channel, numel: int) -> torch.Tensor:
     out = torch.empty(numel, dtype=torch.float32)
-    if numel:
-        conn.recv_bytes_into(out.numpy().data.cast("B"))
+    view = out.numpy().data.cast("B")
+    if isinstance(conn, Channel):
+        conn.read_into(view)
+    elif numel:
+        conn.recv_bytes_into(view)
     else:
         conn.recv_bytes()
     return out
@@ -203,11 +210,8 @@ class ProcessComm:
         self._pool: SlotPool | None = None
         self._returns: ReturnSlots | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._poller: select.poll | None = None
-        """Whether the child wrote something: a ``poll`` object on the channel, registered once
-        (``Connection.poll`` builds a selector on every call: a tenth of a millisecond, three
-        times an inner step)."""
+        self._conn: Channel | None = None
+        """The control channel (``channel.py``: whatever the child wrote is read in one go)."""
         self._stopping = False
         self._deaths: list[float] = []
         self._shared: SharedValues | None = None
@@ -243,14 +247,12 @@ class ProcessComm:
         if hasattr(os, "SCHED_BATCH"):  # from its first instruction (its imports); the child sets the rest
             with contextlib.suppress(OSError):  # refused, or gone already: the child tries again and says so
                 os.sched_setscheduler(self._proc.pid, os.SCHED_BATCH, os.sched_param(0))
-        self._conn = Connection(ours.detach())
-        self._poller = select.poll()
-        self._poller.register(self._conn.fileno(), select.POLLIN)
+        self._conn = Channel(ours)
         spec = ChildSpec(self.cfg, self.layout, self.model_fingerprint, self.incarnation, self.labels,
                      dict(self.events.bound), self._pool.fd, self._pool.count, self._pool.slot_bytes,
                      self._shared.fd, self._returns.fd, self._returns.count, self._returns.slot_bytes, rejoin,
                      logs.settings())
-        self._conn.send_bytes(pickle.dumps(spec))
+        self._conn.send(pickle.dumps(spec))
 
     def _died(self) -> None:
         """The child is gone: start another (joined: as after a reconnect) or report the failure."""
@@ -284,7 +286,7 @@ class ProcessComm:
         if self._conn is None:
             return
         try:
-            self._conn.send_bytes(pickle.dumps(msg))
+            self._conn.send(pickle.dumps(msg))
             if values is not None:
                 send_values(self._conn, values)
         except OSError:  # the child died: the next pump notices and restarts it, which re-sends this
@@ -298,14 +300,13 @@ class ProcessComm:
                 self._died()
             return
         self._share_state()
-        poller = self._poller
-        assert poller is not None
         try:
-            ready = poller.poll(1000.0 * max(0.0, timeout_s))  # an end of file or an error reads as ready too
+            ready = conn.ready(timeout_s)  # an end of file or an error reads as ready too
             while ready:
-                for msg in pickle.loads(conn.recv_bytes()):  # the child writes what it has in one go
-                    self._handle(msg, conn)
-                ready = poller.poll(0)
+                while (batch := conn.message()) is not None:  # the child writes what it has in one go
+                    for msg in pickle.loads(batch):
+                        self._handle(msg, conn)  # values that follow a message are read here
+                ready = conn.ready(0)
         except (EOFError, OSError):
             self._died()
 
@@ -313,9 +314,8 @@ class ProcessComm:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        self._poller = None
 
-    def _handle(self, msg: tuple[Any, ...], conn: Connection) -> None:
+    def _handle(self, msg: tuple[Any, ...], conn: Channel) -> None:
         kind = msg[0]
         if kind == "event":
             _, t, event, fields = msg

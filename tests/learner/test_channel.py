@@ -1,0 +1,153 @@
+"""The training process's end of the control channel (``Channel``) against the communication
+process's (``multiprocessing.connection.Connection``), over a real socket pair."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from ddiloco.learner.channel import Channel
+from ddiloco.learner.comm_process import recv_values, send_values
+
+
+@pytest.fixture
+def pair():
+    ours, theirs = socket.socketpair()
+    channel, conn = Channel(ours), Connection(theirs.detach())
+    yield channel, conn
+    channel.close()
+    conn.close()
+
+
+def test_messages_written_apart_are_read_in_order_and_none_when_nothing_is_left(pair):
+    channel, conn = pair
+    assert not channel.ready(0)
+    assert channel.message() is None
+    sent = [b"a", b"", b"x" * 70_000, bytes(range(256))]
+    for data in sent:
+        conn.send_bytes(data)
+    assert channel.ready(1.0)
+    got = []
+    while len(got) < len(sent):
+        msg = channel.message()
+        if msg is None:  # a long message comes in over several reads
+            assert channel.ready(5.0)
+            continue
+        got.append(bytes(msg))
+    assert got == sent
+    assert channel.message() is None
+    assert not channel.ready(0)
+
+
+def test_a_message_partly_written_stays_buffered_until_the_rest_comes(pair):
+    channel, conn = pair
+    raw = socket.socket(fileno=conn.fileno())  # the same socket, written byte by byte
+    try:
+        body = b"partial message"
+        raw.sendall(struct.pack("!i", len(body)) + body[:5])
+        assert channel.ready(1.0)
+        assert channel.message() is None
+        assert not channel.ready(0)
+        raw.sendall(body[5:] + struct.pack("!i", 2) + b"ok")
+        assert channel.ready(1.0)
+        assert bytes(channel.message()) == body
+        assert channel.ready(0)  # the second one is buffered already
+        assert bytes(channel.message()) == b"ok"
+    finally:
+        raw.detach()
+
+
+def test_the_long_header_form_is_read(pair):
+    channel, conn = pair
+    raw = socket.socket(fileno=conn.fileno())
+    try:
+        raw.sendall(struct.pack("!i", -1) + struct.pack("!Q", 3) + b"abc")
+        assert channel.ready(1.0)
+        assert bytes(channel.message()) == b"abc"
+    finally:
+        raw.detach()
+
+
+def test_values_that_follow_a_message_go_into_their_tensor_whole(pair):
+    channel, conn = pair
+    values = torch.randn(600_000)  # 2.4 MB: more than one read, part of it buffered with the message
+    writer = threading.Thread(target=lambda: (conn.send_bytes(b"head"), send_values(conn, values),
+                                              conn.send_bytes(b"tail")))
+    writer.start()
+    try:
+        assert channel.ready(5.0)
+        assert bytes(channel.message()) == b"head"
+        got = recv_values(channel, values.numel())
+        assert torch.equal(got, values)
+        assert channel.ready(5.0)
+        assert bytes(channel.message()) == b"tail"
+    finally:
+        writer.join(10)
+    empty = torch.empty(0)
+    send_values(conn, empty)
+    assert recv_values(channel, 0).numel() == 0
+
+
+def test_values_of_the_wrong_length_are_refused(pair):
+    channel, conn = pair
+    conn.send_bytes(b"x" * 12)
+    with pytest.raises(ValueError, match="expected a message of 8 bytes, got 12"):
+        recv_values(channel, 2)
+
+
+def test_what_was_written_before_the_end_is_read_then_the_end_is_an_error(pair):
+    channel, conn = pair
+    conn.send_bytes(b"last words")
+    conn.send_bytes(b"and more")
+    conn.close()
+    assert channel.ready(1.0)
+    assert bytes(channel.message()) == b"last words"
+    assert bytes(channel.message()) == b"and more"
+    with pytest.raises(EOFError):
+        channel.message()
+    assert channel.ready(0)  # an end reads as ready: the caller finds it out
+    with pytest.raises(EOFError):
+        channel.message()
+
+
+def test_an_end_within_a_message_or_within_values_is_an_error():
+    ours, theirs = socket.socketpair()
+    channel = Channel(ours)
+    try:
+        theirs.sendall(struct.pack("!i", 10) + b"half")
+        theirs.close()
+        assert channel.ready(1.0)
+        with pytest.raises(EOFError):
+            while channel.message() is None:
+                pass
+    finally:
+        channel.close()
+    ours, theirs = socket.socketpair()
+    channel = Channel(ours)
+    try:
+        theirs.sendall(struct.pack("!i", 8) + b"half")
+        theirs.close()
+        with pytest.raises(EOFError, match="within a message"):
+            recv_values(channel, 2)
+    finally:
+        channel.close()
+
+
+def test_what_the_channel_sends_the_connection_reads(pair):
+    channel, conn = pair
+    small, big = b"spec", bytes(range(256)) * 1000  # 256 KB: header and body written apart
+    reader_got: list[bytes] = []
+    reader = threading.Thread(target=lambda: reader_got.extend(conn.recv_bytes() for _ in range(3)))
+    reader.start()
+    channel.send(small)
+    channel.send(big)
+    send_values(channel, torch.arange(5, dtype=torch.float32))
+    reader.join(10)
+    assert reader_got[:2] == [small, big]
+    assert torch.equal(torch.frombuffer(bytearray(reader_got[2]), dtype=torch.float32),
+                       torch.arange(5, dtype=torch.float32))
