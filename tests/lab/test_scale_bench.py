@@ -113,7 +113,10 @@ def test_sharded_points_report_each_shards_merges_cpu_and_bytes(tmp_path):
         assert [s["shard"] for s in f["per_shard"]] == list(range(f["shards"]))
         assert sum(s["merges"] for s in f["per_shard"]) == f["merges"]
         for s, log in zip(f["per_shard"], logs, strict=True):
-            merges = [e for e in load_jsonl(log) if e["event"] == "merge"]
+            events = load_jsonl(log)
+            merges = [e for e in events if e["event"] == "merge"]
+            started = [e for e in events if e["event"] == "sync_start"]
+            assert len(started) == 1 and started[0]["t"] <= merges[0]["t"]
             assert len(merges) == s["merges"] > 1
             # every shard merged only its own fragments: p mod S == s
             assert {e["fragment"] % f["shards"] for e in merges} == {s["shard"]}
@@ -122,10 +125,10 @@ def test_sharded_points_report_each_shards_merges_cpu_and_bytes(tmp_path):
             # last merge depends on the machine's speed (a fast one can have all of a short run's
             # contributions in before its first merge), so only that there were bytes is asserted.
             assert rx == sorted(rx) and tx == sorted(tx) and rx[-1] > 0 and tx[-1] > 0
-            span = merges[-1]["t"] - merges[0]["t"]
-            assert s["rx_bytes_per_s"] == pytest.approx((rx[-1] - rx[0]) / span)
-            assert s["tx_bytes_per_s"] == pytest.approx((tx[-1] - tx[0]) / span)
-            assert s["bytes_per_merge"] == pytest.approx((rx[-1] - rx[0] + tx[-1] - tx[0]) / (len(merges) - 1))
+            span = merges[-1]["t"] - started[0]["t"]  # the shard's whole run: its totals count from its start
+            assert s["rx_bytes_per_s"] == pytest.approx(rx[-1] / span) and s["rx_bytes_per_s"] > 0
+            assert s["tx_bytes_per_s"] == pytest.approx(tx[-1] / span) and s["tx_bytes_per_s"] > 0
+            assert s["bytes_per_merge"] == pytest.approx((rx[-1] + tx[-1]) / len(merges))
             assert s["merges_per_s"] == pytest.approx(s["merges"] / f["window_s"])
             assert s["sync_cpu_ms_per_merge"] > 0
         assert f["bytes_per_s"] == pytest.approx(sum(s["rx_bytes_per_s"] + s["tx_bytes_per_s"]
@@ -133,6 +136,27 @@ def test_sharded_points_report_each_shards_merges_cpu_and_bytes(tmp_path):
         merges_between = sum(s["merges"] - 1 for s in f["per_shard"])
         assert f["sync_cpu_ms_per_merge"] == pytest.approx(
             sum(s["sync_cpu_ms_per_merge"] * (s["merges"] - 1) for s in f["per_shard"]) / merges_between)
+
+
+def test_a_shards_bytes_count_from_its_last_start_to_its_last_merge():
+    def merge(t, rx, tx):
+        return {"event": "merge", "t": t, "cpu_s": t, "rx_bytes": rx, "tx_bytes": tx}
+    # every contribution in before the first merge: nothing grows between merges, the rate is not 0
+    early = [{"event": "sync_start", "t": 10.0}, merge(12.0, 5000, 100), merge(13.0, 5000, 300), merge(14.0, 5000, 500)]
+    row = scale_bench._shard_row(0, early, window_s=4.0)
+    assert row["merges"] == 3 and row["merges_per_s"] == pytest.approx(0.75)
+    assert row["rx_bytes_per_s"] == pytest.approx(5000 / 4.0) and row["tx_bytes_per_s"] == pytest.approx(500 / 4.0)
+    assert row["bytes_per_merge"] == pytest.approx(5500 / 3)
+    assert row["sync_cpu_ms_per_merge"] == pytest.approx(1e3 * 2.0 / 2)
+    # a restart: the totals start again from 0, and so do the span and the merges they cover
+    restarted = [*early, {"event": "sync_start", "t": 20.0}, merge(21.0, 800, 40), merge(22.0, 900, 60)]
+    row = scale_bench._shard_row(0, restarted, window_s=12.0)
+    assert row["merges"] == 5
+    assert row["rx_bytes_per_s"] == pytest.approx(900 / 2.0) and row["bytes_per_merge"] == pytest.approx(960 / 2)
+    # no start logged, or no merge since it: no rate (not a zero)
+    for events in ([merge(1.0, 10, 10), merge(2.0, 20, 20)], early[:1], [*early, {"event": "sync_start", "t": 30.0}]):
+        row = scale_bench._shard_row(0, events, window_s=1.0)
+        assert row["rx_bytes_per_s"] is None and row["tx_bytes_per_s"] is None and row["bytes_per_merge"] is None
 
 
 def test_a_run_without_steps_is_an_error_not_a_zero(tmp_path):

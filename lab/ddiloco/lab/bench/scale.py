@@ -25,8 +25,9 @@ synchronise, on every CPU of the machine (a learner alone in a fleet gets them a
 - ``--shards 1,2,4`` runs every fleet size against a synchronizer of 1, 2 and 4 shards
   (``ddiloco run --shards``). Each point then has a row per shard (``per_shard``): its merges and
   merges per second (over the fleet's training window), its CPU per merge and cores, and the chunk
-  payload bytes it received and sent per second and per merge, from the counters every merge
-  event carries (``rx_bytes``, ``tx_bytes``), between its first merge and its last. The point's
+  payload bytes it received and sent per second and per merge, from the totals every merge event
+  carries (``rx_bytes``, ``tx_bytes``: since the shard's process started), from its start to its
+  last merge (the learners' joins included). The point's
   ``bytes_per_s`` is the shards' sum; ``sync_cpu_ms_per_merge`` is all shards' CPU over all
   their merges. On one machine the shards share its cores with the learners: the CPU figures say
   what a shard costs, the rates what this machine reached, not what S machines would.
@@ -81,19 +82,41 @@ def _rate(merges: list[dict[str, Any]], counter: str) -> tuple[float, int, float
             max(counted[-1]["t"] - counted[0]["t"], 1e-9))
 
 
-def _shard_row(shard: int, merges: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
-    """One shard's merges, CPU and payload bytes, from its merge events."""
+def _since_start(events: list[dict[str, Any]]) -> tuple[int, int, int, float] | None:
+    """The payload bytes of the synchronizer process that made a shard's last merge: (received,
+    sent, its merges, seconds from its start to that merge). A merge event carries the process's
+    totals since it started (``rx_bytes``, ``tx_bytes``), so the span is its whole run, the join
+    traffic of the learners included; a span between two merges would read nothing for a shard
+    that had all of a short run's contributions in before its first merge. None without a start
+    event before a merge that carries the totals."""
+    start: dict[str, Any] | None = None
+    merges, last = 0, None
+    for e in events:
+        if e.get("event") == schema.SYNC_START:
+            start, merges, last = e, 0, None
+        elif e.get("event") == schema.MERGE:
+            merges += 1
+            if "rx_bytes" in e and "tx_bytes" in e:
+                last = e
+    if start is None or last is None:
+        return None
+    return last["rx_bytes"], last["tx_bytes"], merges, max(last["t"] - start["t"], 1e-9)
+
+
+def _shard_row(shard: int, events: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
+    """One shard's merges, CPU and payload bytes, from its log (start and merge events)."""
+    merges = [e for e in events if e.get("event") == schema.MERGE]
     row: dict[str, Any] = {"shard": shard, "merges": len(merges), "merges_per_s": len(merges) / window_s,
                            "sync_cpu_ms_per_merge": None, "sync_cores": None, "rx_bytes_per_s": None,
                            "tx_bytes_per_s": None, "bytes_per_merge": None}
     if cpu := _rate(merges, "cpu_s"):
         row["sync_cpu_ms_per_merge"] = 1e3 * cpu[0] / cpu[1]
         row["sync_cores"] = cpu[0] / cpu[2]
-    rx, tx = _rate(merges, "rx_bytes"), _rate(merges, "tx_bytes")
-    if rx and tx:
-        row["rx_bytes_per_s"] = rx[0] / rx[2]
-        row["tx_bytes_per_s"] = tx[0] / tx[2]
-        row["bytes_per_merge"] = (rx[0] + tx[0]) / rx[1]
+    if payload := _since_start(events):
+        rx, tx, counted, seconds = payload
+        row["rx_bytes_per_s"] = rx / seconds
+        row["tx_bytes_per_s"] = tx / seconds
+        row["bytes_per_merge"] = (rx + tx) / counted
     return row
 
 
@@ -103,8 +126,9 @@ def measure(out: pathlib.Path) -> dict[str, Any]:
     from ddiloco.lab.goodput import fleet_summary
 
     logs = {p.stem: load_jsonl(p) for p in sorted((out / "learners").glob("*.jsonl"))}
-    per_log = [[e for e in load_jsonl(p) if e.get("event") == schema.MERGE] for _, p in synchronizer_logs(out)]
-    merges = sorted((e for m in per_log for e in m), key=lambda e: e["t"])
+    per_log = [[e for e in load_jsonl(p) if e.get("event") in (schema.MERGE, schema.SYNC_START)]
+               for _, p in synchronizer_logs(out)]
+    merges = sorted((e for m in per_log for e in m if e["event"] == schema.MERGE), key=lambda e: e["t"])
     fleet = fleet_summary(logs, merges)
     if not fleet.get("training_window") or not fleet.get("steps"):
         raise RuntimeError(f"{out}: the run logged no training steps")
