@@ -208,3 +208,36 @@ def test_a_bound_fragment_rejects_wrong_buffers_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="flat buffer has"):
         bound.scatter(torch.zeros(frag.numel - 1))
     assert torch.equal(gather(frag, params), before)
+
+
+@pytest.mark.parametrize("layout_of", ["contiguous fp32", "bf16", "not contiguous"])
+def test_a_bound_replay_is_the_expression_bit_for_bit(layout_of: str) -> None:
+    model = _sequential(torch.bfloat16 if layout_of == "bf16" else torch.float32)
+    params = dict(model.named_parameters())
+    if layout_of == "not contiguous":
+        params["0.weight"].data = torch.randn(8, 16).t()
+    gen = torch.Generator().manual_seed(3)
+    for frag in partition_tensors(list(params.items()), 2):
+        bound = BoundFragment(frag, params)
+        fast = all(params[t.name].dtype == torch.float32 and params[t.name].is_contiguous() for t in frag.tensors)
+        assert (bound._views is not None) == fast and (fast or layout_of != "contiguous fp32")
+        current = gather(frag, params)
+        reference = current - torch.randn(frag.numel, generator=gen) * 1e-3
+        values = reference + torch.randn(frag.numel, generator=gen) * 1e-2
+        want = values + (current - reference)  # apply_global's replay
+        bound.replay(reference, values)
+        assert torch.equal(gather(frag, params), want.to(params[frag.tensors[0].name].dtype).float())
+
+
+def test_a_bound_replay_of_wrong_buffers_is_refused_and_changes_nothing() -> None:
+    model = _sequential()
+    params = dict(model.named_parameters())
+    frag = partition_tensors(list(params.items()), 1)[0]
+    bound = BoundFragment(frag, params)
+    before = gather(frag, params)
+    good = torch.zeros(frag.numel)
+    for reference, values in ((torch.zeros(frag.numel - 1), good), (good, torch.zeros(frag.numel + 1)),
+                              (good.double(), good), (good, good.half())):
+        with pytest.raises(ValueError, match="must be fp32 with"):
+            bound.replay(reference, values)
+    assert torch.equal(gather(frag, params), before)

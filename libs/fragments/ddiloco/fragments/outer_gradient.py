@@ -145,3 +145,22 @@ class BoundFragment:
                              f"{self.fragment.numel}")
         with torch.no_grad():
             torch._foreach_copy_(views, flat.reshape(-1).split_with_sizes(self.sizes))
+
+    def replay(self, reference: torch.Tensor, values: torch.Tensor) -> None:
+        """The parameters become ``values + (current - reference)`` (flat fp32 buffers): the
+        progress made since ``reference``, on top of ``values``. Bound, in place, without gathering:
+        ``current - reference`` then ``+ values`` per tensor, the same rounding as the expression
+        (one subtraction, then one addition, which commutes exactly), in two calls into torch where
+        gather, subtract, add and scatter took five and three fragment-sized temporaries."""
+        import torch
+
+        for name, flat in (("reference", reference), ("values", values)):
+            if flat.numel() != self.fragment.numel or flat.dtype != torch.float32:
+                raise ValueError(f"{name} must be fp32 with {self.fragment.numel} values")
+        views = self._current()
+        if views is None or reference.device.type != "cpu" or values.device.type != "cpu":
+            self.scatter(values + (self.gather() - reference))
+            return
+        with torch.no_grad():
+            torch._foreach_sub_(views, reference.reshape(-1).split_with_sizes(self.sizes))
+            torch._foreach_add_(views, values.reshape(-1).split_with_sizes(self.sizes))

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ddiloco.algorithm.learner_fragment import LearnerFragment
+from ddiloco.algorithm.learner_fragment import LearnerFragment, apply_global
 from ddiloco.fragments.outer_gradient import BoundFragment
 from ddiloco.fragments.partition import FragmentLayout
 
@@ -93,12 +93,23 @@ class LocalFragments:
         """Apply a merged fragment at the boundary before ``step``; the policy it was applied by,
         or None when ``version`` is not newer than the one held."""
         t0 = time.perf_counter()
-        policy = "overwrite" if resync else self.apply_policy
-        new = self.state[p].apply(policy, local=self.bound[p].gather(), values=values, version=version,
-                                  step=step, resync=resync, alpha=self.mix_alpha)
-        if new is None:
+        bound = self.bound[p]
+        if values.numel() != bound.fragment.numel:
+            raise ValueError(f"fragment {p} has {bound.fragment.numel} values, got {values.numel()}")
+        accepted = self.state[p].accept("overwrite" if resync else self.apply_policy, values=values,
+                                        version=version, step=step, resync=resync)
+        if accepted is None:
             return None
-        self.bound[p].scatter(new)
+        policy, reference = accepted
+        # ``apply_global``'s arithmetic, written into the parameters with as few calls into torch
+        # as it allows (each costs tens of microseconds right after an inner step)
+        if policy == "overwrite":
+            bound.scatter(values)
+        elif policy == "replay":
+            bound.replay(reference, values)
+        else:
+            bound.scatter(apply_global(policy, local=bound.gather(), global_=values, reference=reference,
+                                       alpha=self.mix_alpha))
         self.time("apply", t0)
         self.touched.setdefault(p, False)
         return policy
