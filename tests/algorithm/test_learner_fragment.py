@@ -146,3 +146,19 @@ def test_heal_returns_the_base_and_starts_over():
     frag.send(20, torch.zeros(8), keep_values=False)
     assert frag.heal(25) is frag.base
     assert frag.counters == (0, 0) and frag.window_start == 26 and frag.sent is None
+
+
+@pytest.mark.parametrize("policy", ["mix", "replay", "average"])
+def test_an_apply_that_fails_changes_no_state(policy):
+    f = LearnerFragment(0, torch.zeros(4), version=2)
+    for _ in range(3):
+        f.trained(10)
+    f.send(3, torch.ones(4), keep_values=True)
+    before = (f.version, f.counters, f.window_start, f.sent, f.base)
+    bad = torch.zeros(2, 2) if policy != "average" else torch.zeros(4)  # a shape, or an unknown policy
+    with pytest.raises(ValueError):
+        f.apply(policy, local=torch.zeros(4), values=bad, version=3, step=5)
+    assert (f.version, f.counters, f.window_start, f.sent, f.base) == before
+    with pytest.raises(ValueError, match="unknown apply policy"):
+        f.accept("average", values=torch.zeros(4), version=3, step=5)
+    assert (f.version, f.counters, f.window_start, f.sent, f.base) == before

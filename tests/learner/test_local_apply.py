@@ -83,3 +83,21 @@ def test_a_resync_overwrites_and_a_wrong_size_changes_nothing() -> None:
     state = local[frag.index]
     assert (state.version, state.counters, torch.equal(state.base, state_before.base)) == (
         state_before.version, state_before.counters, True)
+
+
+@pytest.mark.parametrize("policy", APPLY_POLICIES)
+def test_values_of_another_dtype_or_shape_apply_as_flat_fp32(policy: str) -> None:
+    model = _model(torch.float32)
+    params = dict(model.named_parameters())
+    layout = partition_tensors(list(params.items()), 1)
+    local = LocalFragments(params, layout, apply_policy=policy, mix_alpha=0.5)
+    local.join({}, start_step=0)
+    frag = layout[0]
+    current, _ = local.contribution(0)
+    local[0].send(1, current, keep_values=policy == "replay")
+    twin = copy.deepcopy(local)
+    values = (gather(frag, params) + 0.01).double()
+    assert local.apply(0, values.reshape(2, -1), 1, 3, resync=False) == policy
+    assert twin.apply(0, values.float(), 1, 3, resync=False) == policy
+    assert torch.equal(gather(frag, params), gather(frag, twin.params))
+    assert local[0].base.dtype == torch.float32 and local[0].base.dim() == 1

@@ -158,32 +158,41 @@ class LearnerFragment:
         """Apply the merged ``values`` of global ``version`` at the boundary before ``step``; returns
         the new local values, or None when ``version`` is not newer than the one applied (a
         resync always applies, by ``overwrite``)."""
-        accepted = self.accept(policy, values=values, version=version, step=step, resync=resync)
-        if accepted is None:
+        if not resync and version <= self.version:
             return None
-        policy, reference = accepted
-        return apply_global(policy, local=local, global_=values, reference=reference, alpha=alpha)
+        policy = "overwrite" if resync else policy
+        new = apply_global(policy, local=local, global_=values, reference=self._reference(), alpha=alpha)
+        self._commit(policy, values, version, step)  # after the arithmetic: bad input changes nothing
+        return new
 
     def accept(self, policy: str, *, values: torch.Tensor, version: int, step: int,
                resync: bool = False) -> tuple[str, torch.Tensor] | None:
         """``apply``'s bookkeeping without its arithmetic, for a caller that writes the new values
-        itself: None when ``version`` is not newer than the one applied, else the policy it applies
-        by and the reference of ``apply_global``. ``values`` is the new base from here on."""
+        itself (and checked them first): None when ``version`` is not newer than the one applied,
+        else the policy it applies by and the reference of ``apply_global``. ``values`` is the new
+        base from here on."""
         if not resync and version <= self.version:
             return None
-        if resync:
-            policy = "overwrite"
+        policy = "overwrite" if resync else policy
         if policy not in APPLY_POLICIES:
             raise ValueError(f"unknown apply policy {policy!r}")
+        reference = self._reference()
+        self._commit(policy, values, version, step)
+        return policy, reference
+
+    def _reference(self) -> torch.Tensor:
+        """The point up to which local progress was handed over (see ``apply_global``)."""
+        sent = self.sent
+        return sent.values if (sent is not None and sent.values is not None) else self.base
+
+    def _commit(self, policy: str, values: torch.Tensor, version: int, step: int) -> None:
         sent, self.sent = self.sent, None
-        reference = sent.values if (sent is not None and sent.values is not None) else self.base
         self.base, self.version = values, version
         self.tokens, self.steps = counters_after_apply(policy, self.counters, sent.counters if sent else None)
         if policy == "overwrite":
             self.window_start = step
         elif sent is not None:
             self.window_start = sent.step + 1
-        return policy, reference
 
     def heal(self, step: int) -> torch.Tensor:
         """Back to the base (returned, to be written into the parameters): counters from zero,

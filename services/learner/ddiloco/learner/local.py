@@ -96,6 +96,8 @@ class LocalFragments:
         bound = self.bound[p]
         if values.numel() != bound.fragment.numel:
             raise ValueError(f"fragment {p} has {bound.fragment.numel} values, got {values.numel()}")
+        if values.dtype != torch.float32 or values.dim() != 1:  # the base is flat fp32, as the arithmetic below
+            values = values.detach().reshape(-1).float()
         accepted = self.state[p].accept("overwrite" if resync else self.apply_policy, values=values,
                                         version=version, step=step, resync=resync)
         if accepted is None:
