@@ -27,7 +27,8 @@ synchronise, on every CPU of the machine (a learner alone in a fleet gets them a
   merges per second (over the fleet's training window), its CPU per merge and cores, and the chunk
   payload bytes it received and sent per second and per merge, from the totals every merge event
   carries (``rx_bytes``, ``tx_bytes``: since the shard's process started), from its start to its
-  last merge (the learners' joins included). The point's
+  last merge (the learners' joins included, and the seconds before they join: a short run reads a
+  lower rate than a long one; a shard restarted after its last merge reads none). The point's
   ``bytes_per_s`` is the shards' sum; ``sync_cpu_ms_per_merge`` is all shards' CPU over all
   their merges. On one machine the shards share its cores with the learners: the CPU figures say
   what a shard costs, the rates what this machine reached, not what S machines would.
