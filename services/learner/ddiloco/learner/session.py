@@ -27,7 +27,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from ddiloco.core import events as schema
 from ddiloco.core.logs import get_logger
-from ddiloco.fragments.chunking import Transfer
+from ddiloco.fragments.chunking import Chunk, Transfer
 from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.error_feedback import ErrorFeedback
 from ddiloco.fragments.partition import FragmentLayout
@@ -380,7 +380,7 @@ class Link:
             await stream.send_transfer(chunks)
             self.bytes_sent += len(out.payload or b"")
 
-    def _frame(self, out: Outgoing, transfer_id: int) -> list[Any]:
+    def _frame(self, out: Outgoing, transfer_id: int) -> list[Chunk]:
         """``out`` encoded (once: a resend keeps its payload) and cut into framed chunks."""
         if out.payload is None:
             out.payload = self._encode(out)

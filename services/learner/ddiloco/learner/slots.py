@@ -225,7 +225,6 @@ class SlotPool(_Slots):
             raise RuntimeError(f"only the pool's owner may {what}")
 
 
-
 class ReturnSlots(_Slots):
     """Fragment-sized fp32 slots whose state lives in the shared block: one byte per slot at its
     head, set by the writing process when it claims and fills a slot (``put``) and by the reading
