@@ -223,3 +223,18 @@ def test_stale_leftovers_do_not_count_as_everyone_contributed() -> None:
     assert decide(101.0, view, timings, 2, policy).merge
     # all three fresh: at once
     assert decide(100.1, RoundView(100.0, 100.0, live, live, fresh=live), timings, 2, policy).merge
+
+
+def test_quorum_zero_waits_for_each_live_learner_not_for_as_many_answers():
+    # b finished (no longer live) and its last contribution waits; a still trains. Counted as an
+    # answer, b's met "every live learner" (1 of 1) and the round merged without a, a step early.
+    policy = QuorumPolicy(quorum=0, timeout_s=120.0)
+    v = view({"b"}, {"a"}, opened_at=100.0)
+    reached, why = quorum_reached(v, policy)
+    assert not reached and "0/1" in why and "1 from learners no longer live" in why
+    d = decide(100.5, v, TIMINGS, TAU, policy)
+    assert not d.merge and d.wake_at == pytest.approx(220.0)
+    assert decide(100.5, view({"a", "b"}, {"a"}, opened_at=100.0), TIMINGS, TAU, policy).merge
+    assert decide(220.0, v, TIMINGS, TAU, policy).merge, "the merge timeout still ends the wait"
+    # a quorum of K answers still counts anyone's: a finishing learner's last progress is one
+    assert quorum_reached(v, QuorumPolicy(quorum=1))[0]

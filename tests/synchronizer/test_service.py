@@ -17,14 +17,14 @@ import torch
 
 from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.protocol.client import StreamClosed
-from tests.scripted import ScriptedLearner, eventually, running_server, sync_config
+from tests.scripted import ScriptedLearner, eventually, running_server, sync_config, toy_protocol
 
 
-async def _ready(server, *learner_ids, step_time_s=0.1):
+async def _ready(server, *learner_ids, step_time_s=0.1, protocol=None):
     """Connect learners; the first uploads genesis; all pump messages and heartbeat once."""
     learners = []
     for i, lid in enumerate(learner_ids):
-        learner = ScriptedLearner(server.port, lid)
+        learner = ScriptedLearner(server.port, lid, protocol=protocol)
         welcome = await learner.connect()
         if i == 0:
             assert welcome.state == "genesis_requested"
@@ -607,6 +607,29 @@ async def test_a_finished_learner_stops_counting_and_what_waits_merges_when_nobo
         ra, rb = await a.wait_result(sa, timeout_s=5), await b.wait_result(sb, timeout_s=5)
         assert ra.outcome == rb.outcome == "merged" and ra.version == rb.version == 1
         assert server.engine.rounds[0].state.round == 0, "no request opened it: the clock is 40 s away"
+        for lr in (a, b):
+            await lr.close()
+
+
+async def test_where_every_live_learner_must_answer_a_finished_learners_answer_stands_in_for_nobody(tmp_path):
+    # Streaming: b makes its last step, sends its due fragment and finishes; a, still training, is
+    # a step behind. b's answer must not count as "every live learner" (a alone is live now): the
+    # round waits for a's answer and merges both in one version. Counted, it merged b's alone a
+    # step early and a, finding the fleet's round ahead of its step, dropped its progress.
+    protocol = toy_protocol(mode="streaming")
+    cfg = sync_config(tmp_path, protocol=protocol,
+                      policy=QuorumPolicy(quorum=0, grace_gamma=0.5, max_grace_s=0.5, timeout_s=60))
+    async with running_server(cfg) as server:
+        a, b = await _ready(server, "a", "b", step_time_s=0.03, protocol=protocol)
+        sb = await b.contribute(0, _delta(2, b, 0), base_version=0)
+        await b.heartbeat(training_done=True)
+        await eventually(lambda: server.engine.membership.live(server.engine.clock()) == {"a"}, what="b done")
+        await _decided(server, "waiting for quorum: 0/1 answers (1 from learners no longer live)")
+        await asyncio.sleep(1.0)  # twice the longest grace: nothing merges without a
+        assert b.result_for(sb) is None and server.engine.rounds[0].fragment.version == 0
+        sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
+        ra, rb = await a.wait_result(sa, timeout_s=5), await b.wait_result(sb, timeout_s=5)
+        assert ra.outcome == rb.outcome == "merged" and ra.version == rb.version == 1
         for lr in (a, b):
             await lr.close()
 

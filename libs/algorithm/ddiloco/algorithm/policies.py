@@ -10,7 +10,8 @@ synchronizer asks the learners for it; see ``round``):
 
 1. No contribution yet: wait. With none of them live, merge what is there (nobody else is coming).
 2. Fewer than the required quorum K: wait (streaming mode: merge what arrived once ``timeout_s``
-   has passed since the round opened, so one dead learner cannot stall everyone forever).
+   has passed since the round opened, so one dead learner cannot stall everyone forever). K = 0
+   means every live learner: it is reached when each of them has answered, whoever else did.
 3. Every live learner has contributed to this round (against the current version): merge at once.
 4. Quorum reached: wait out the adaptive grace window, paper Eq. 3,
    ``grace = clamp(gamma * (tau * step_time - quorum_time - sync_time), 0, max_grace)``,
@@ -110,12 +111,20 @@ def required_quorum(policy: QuorumPolicy, live_count: int) -> int:
 
 
 def quorum_reached(view: RoundView, policy: QuorumPolicy) -> tuple[bool, str]:
+    """Whether the round has its quorum, and why. K answers from anyone count where K is set; where
+    K is 0 ("every live learner") each live learner must have answered: an answer from a learner
+    that is no longer live (it finished, it timed out) does not stand in for one that still trains.
+    Counted instead, a finishing learner's last contribution met the quorum of a fleet that had one
+    other learner left, and the round merged without it a step before it answered."""
+    answers = view.contributors if view.answered is None else view.answered
     k = required_quorum(policy, len(view.live))
-    n = len(view.contributors if view.answered is None else view.answered)
+    n = len(answers & view.live) if policy.quorum == 0 and view.live else len(answers)
     if n >= k:
         return True, f"quorum {n}/{k}"
-    leftovers = len(view.contributors) - n
-    return False, f"waiting for quorum: {n}/{k} answers" + (f" ({leftovers} leftover)" if leftovers else "")
+    leftovers = len(view.contributors) - len(answers)
+    gone = len(answers) - n
+    return False, (f"waiting for quorum: {n}/{k} answers" + (f" ({leftovers} leftover)" if leftovers else "")
+                   + (f" ({gone} from learners no longer live)" if gone else ""))
 
 
 def grace_window(timings: Timings, overlap: int, policy: QuorumPolicy) -> tuple[float, str]:
