@@ -38,7 +38,9 @@ def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
     assert printed == json.loads(out.read_text())
     assert printed["fragment_bytes"] == 4 << 20 and printed["tcp_seconds"] > 0
     rows = printed["results"]
-    assert [(r["variant"], r["codec"]) for r in rows] == [("frame16m", "fp32"), ("frame16m", "bf16_zstd")]
+    assert [(r["variant"], r["codec"], r["framing"]) for r in rows] == [("frame16m", "fp32", "on-write"),
+                                                                        ("frame16m", "bf16_zstd", "on-write")]
+    assert printed["framings"] == ["on-write"]
     fp32, zstd = rows[0], rows[1]
     assert fp32["wire_bytes"] == 4 << 20 and zstd["wire_bytes"] < fp32["wire_bytes"] / 2  # bf16 + zstd
     assert all(r["seconds"] > 0 and r["ratio"] > 0 for r in rows)
@@ -63,6 +65,21 @@ def test_quick_run_reports_a_ratio_for_each_codec(tmp_path):
     assert printed["huge_pages"] == "on" and printed["glibc_tunables"] == THP_TUNABLE
     assert printed["transparent_hugepage"] in {"always", "madvise", "never", ""}
     assert printed["huge_pages_in_effect"] == (printed["transparent_hugepage"] in {"always", "madvise"})
+
+
+def test_both_framings_are_measured_interleaved_and_the_first_one_gives_the_ratio(tmp_path):
+    out = tmp_path / "wire.json"
+    proc = _bench("--quick", "--json", "--framing", "eager,on-write", "--huge-pages", "off", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(out.read_text())
+    rows = printed["results"]
+    assert printed["framings"] == ["eager", "on-write"]
+    assert [(r["codec"], r["framing"]) for r in rows] == [("fp32", "eager"), ("fp32", "on-write"),
+                                                          ("bf16_zstd", "eager"), ("bf16_zstd", "on-write")]
+    assert all(r["seconds"] > 0 for r in rows)
+    assert rows[0]["wire_bytes"] == rows[1]["wire_bytes"] == 4 << 20, "the same bytes either way"
+    # --quick cuts 1 MiB chunks, not the protocol's: the best fp32 row gives the ratio
+    assert printed["ratio"] == max(printed["tcp_seconds"] / r["seconds"] for r in rows if r["codec"] == "fp32")
 
 
 def test_huge_pages_off_measures_in_the_environment_as_it_is(tmp_path):
@@ -95,7 +112,8 @@ def test_bad_options_are_refused(capsys, monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)  # refused here, not by a re-run child
 
     for args in (["--variant", "turbo"], ["--chunk-mib", "abc"], ["--chunk-mib", "0"], ["--repeat", "0"], ["--rounds", "0"],
-                 ["--streams", "two"], ["--streams", "0"], ["--streams", "65"], ["--huge-pages", "maybe"]):
+                 ["--streams", "two"], ["--streams", "0"], ["--streams", "65"], ["--huge-pages", "maybe"],
+                 ["--framing", "lazy"], ["--framing", ","]):
         try:
             code = main(args)
         except SystemExit as exc:  # argparse's own refusals

@@ -1,10 +1,12 @@
 """``ddiloco bench wire``: one fragment learner -> synchronizer -> learner over the Sync stream,
 against raw TCP on loopback, measured in the same run.
 
-What is timed is the protocol's own path, not a toy: the fragment is chunked with the protocol's
-framing (``encode_fragment``: header, payload digest, each chunk framed as its wire message
-when encoded, with ``digest_only`` peers: no CRC-32C per chunk), serialized and parsed by
-``ddiloco.protocol.wire`` (chunk data is never copied into or out of a protobuf message), sent on a ``Sync`` bidirectional stream of a ``grpc.aio``
+What is timed is the protocol's own path, not a toy: the fragment is sent as a learner sends a
+contribution (the codec's output, ``codec.encode``; cut into chunks by ``encode_fragment``: header,
+payload digest, with ``digest_only`` peers no CRC-32C per chunk; each chunk copied into its wire
+message as it is written, or with ``--framing eager`` every chunk before the first is written, as
+learners did before), serialized and parsed by ``ddiloco.protocol.wire`` (chunk data is never
+copied into or out of a protobuf message), sent on a ``Sync`` bidirectional stream of a ``grpc.aio``
 server with the synchronizer's channel options, reassembled and verified there
 (``Reassembler``: the digest, chunk by chunk; the echo does not decode, so it never joins the
 payload), sent back as the messages it came in (a relay's zero-copy path; the synchronizer
@@ -265,9 +267,14 @@ async def _bytes_round_trips(port: int, payload: bytes, max_chunk_bytes: int, ex
     return best
 
 
+FRAMINGS = ("on-write", "eager")
+"""When a contribution's chunks are copied into their wire messages: as each is written (what
+learners do), or every one before the first is written (what they did before)."""
+
+
 def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max_chunk_bytes: int,
               extra: list[tuple[str, Any]], repeat: int, threads: int,
-              streams: tuple[int, ...] = (1,)) -> tuple[float, int, dict[int, float]]:
+              streams: tuple[int, ...] = (1,), framing: str = "on-write") -> tuple[float, int, dict[int, float]]:
     """(best round-trip seconds, bytes on the wire one way, best seconds of the plain-bytes echo
     for the same wire bytes on each number of ``streams``) for one case."""
     frag = layout[0]
@@ -275,9 +282,12 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
     sizes: list[int] = []
 
     def make_chunks() -> list[Any]:
+        # a learner's contribution: the codec's output (kept for a resend), cut into chunks
+        # (digest in the header), each copied into its message when written, or all at once first
         chunks = encode_fragment(values, frag, codec=codec, kind="contribution", version=0, transfer_id=1,
                                  sequence=1, tokens=1, steps=1, max_chunk_bytes=max_chunk_bytes,
-                                 frame=wire.frame_chunks)
+                                 payload=codec.encode(values),
+                                 frame=wire.frame_chunks if framing == "eager" else None)
         sizes.append(sum(len(c.data) for c in chunks))
         return chunks
 
@@ -314,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                         "times, interleaved, and report the medians (the machine's noise hits all alike)")
     parser.add_argument("--streams", default="1", help="comma-separated numbers of parallel streams (each on a "
                         "connection of its own) for the plain-bytes echo; 1 is always measured")
+    parser.add_argument("--framing", default="on-write", help="comma-separated: when a contribution's chunks "
+                        "are copied into their messages, 'on-write' (as each is written: what learners do) or "
+                        "'eager' (all before the first is written); several are measured interleaved")
     parser.add_argument("--threads", type=int, default=2, help="codec and torch threads")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--out", default="bench-results/wire.json", help="JSON results file")
@@ -327,11 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         chunk_sizes = [int(float(v) * MIB) for v in args.chunk_mib.split(",") if v.strip()]
         variants = [v.strip() for v in args.variant.split(",") if v.strip()]
         streams = tuple(sorted({1} | {int(v) for v in args.streams.split(",") if v.strip()}))
+        framings = [v.strip() for v in args.framing.split(",") if v.strip()]
     except ValueError:
         parser.error("--chunk-mib takes numbers, e.g. 1,3.9375; --streams whole numbers, e.g. 1,2,4")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         parser.error(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(VARIANTS)}")
+    if not framings or any(f not in FRAMINGS for f in framings):
+        parser.error(f"--framing takes {', '.join(FRAMINGS)} (comma-separated), got {args.framing!r}")
     if args.mib <= 0 or args.repeat < 1 or args.rounds < 1 or args.threads < 1 or not chunk_sizes or not all(
             1024 <= c <= 64 * MIB for c in chunk_sizes) or not all(1 <= n <= 64 for n in streams):
         parser.error("need --mib > 0, --repeat >= 1, --rounds >= 1, --threads >= 1, chunk sizes in 1 KiB..64 MiB, "
@@ -345,21 +361,22 @@ def main(argv: list[str] | None = None) -> int:
     layout = partition_tensors({"w": values.view(-1)}, 1)
     fp32_bytes = n * 4
 
-    cases = [(variant, chunk, codec_name) for variant in variants for chunk in chunk_sizes
-             for codec_name in ("fp32", "bf16_zstd")]
+    cases = [(variant, chunk, codec_name, framing) for variant in variants for chunk in chunk_sizes
+             for codec_name in ("fp32", "bf16_zstd") for framing in framings]
     tcp_rounds: list[float] = []
-    measured: dict[tuple[str, int, str], list[tuple[float, int, dict[int, float]]]] = {case: [] for case in cases}
+    measured: dict[tuple[str, int, str, str], list[tuple[float, int, dict[int, float]]]] = {c: [] for c in cases}
     for round_index in range(args.rounds):  # interleaved: machine noise falls on every case alike
         tcp_rounds.append(tcp_round_trips(values.numpy().tobytes(), args.repeat))
         for case in cases:
-            variant, chunk, codec_name = case
+            variant, chunk, codec_name, framing = case
             turn = round_index % len(streams)  # each stream count takes each place in the order in turn
             measured[case].append(grpc_case(values, layout, codec_name, chunk, VARIANTS[variant], args.repeat,
-                                            args.threads, streams[turn:] + streams[:turn]))
+                                            args.threads, streams[turn:] + streams[:turn], framing))
             if not args.json:
                 seconds, _, plain_by_n = measured[case][-1]
                 more = "".join(f", {n} streams {plain_by_n[n] * 1e3:.1f} ms" for n in streams if n > 1)
-                print(f"round {round_index + 1}/{args.rounds}: {variant} {chunk / MIB:.2f} MiB {codec_name}: "
+                print(f"round {round_index + 1}/{args.rounds}: {variant} {chunk / MIB:.2f} MiB {codec_name} "
+                      f"framed {framing}: "
                       f"{seconds * 1e3:.1f} ms (plain bytes {plain_by_n[1] * 1e3:.1f} ms{more}, raw TCP "
                       f"{tcp_rounds[-1] * 1e3:.1f} ms)", file=sys.stderr, flush=True)
     tcp = statistics.median(tcp_rounds)
@@ -368,16 +385,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wire: {fp32_bytes / MIB:.0f} MiB fragment, round trip on loopback, best of {args.repeat}"
               f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}; grpcio {grpc.__version__}")
         print(f"raw TCP: {tcp * 1e3:.1f} ms, {tcp_gbs:.2f} GB/s")
-        print(f"{'variant':>9} {'chunk MiB':>9} {'codec':>9} {'wire MiB':>9} {'ms':>8} {'frag GB/s':>10} "
+        print(f"{'variant':>9} {'chunk MiB':>9} {'codec':>9} {'framing':>8} {'wire MiB':>9} {'ms':>8} {'frag GB/s':>10} "
               f"{'wire GB/s':>10} {'vs TCP':>7} {'bytes ms':>8} {'vs bytes':>8}")
     rows: list[dict[str, Any]] = []
-    for (variant, chunk, codec_name), runs in measured.items():
+    for (variant, chunk, codec_name, framing), runs in measured.items():
         seconds = statistics.median(r[0] for r in runs)
         plain_streams = {n: statistics.median(r[2][n] for r in runs) for n in streams}
         plain = plain_streams[1]
         wire_bytes = runs[0][1]
         row: dict[str, Any] = {
-            "variant": variant, "chunk_bytes": chunk, "codec": codec_name, "wire_bytes": wire_bytes,
+            "variant": variant, "chunk_bytes": chunk, "codec": codec_name, "framing": framing,
+            "wire_bytes": wire_bytes,
             "seconds": seconds, "fragment_gbs": 2 * fp32_bytes / seconds / 1e9,
             "wire_gbs": 2 * wire_bytes / seconds / 1e9, "ratio": tcp / seconds,
             "grpc_bytes_seconds": plain, "vs_grpc_bytes": plain / seconds,
@@ -386,12 +404,13 @@ def main(argv: list[str] | None = None) -> int:
             "grpc_bytes_streams_seconds_rounds": {str(n): [r[2][n] for r in runs] for n in streams}}
         rows.append(row)
         if not args.json:
-            print(f"{variant:>9} {chunk / MIB:>9.2f} {codec_name:>9} {wire_bytes / MIB:>9.1f} "
+            print(f"{variant:>9} {chunk / MIB:>9.2f} {codec_name:>9} {framing:>8} {wire_bytes / MIB:>9.1f} "
                   f"{seconds * 1e3:>8.1f} {row['fragment_gbs']:>10.2f} {row['wire_gbs']:>10.2f} "
                   f"{row['ratio']:>6.2f}x {plain * 1e3:>8.1f} {row['vs_grpc_bytes']:>6.2f}x", flush=True)
     default_chunk = ProtocolConfig().max_chunk_bytes
     fp32_rows = [r for r in rows if r["codec"] == "fp32"]
-    at_default = [r for r in fp32_rows if r["variant"] == "default" and r["chunk_bytes"] == default_chunk]
+    at_default = [r for r in fp32_rows if r["variant"] == "default" and r["chunk_bytes"] == default_chunk
+                  and r["framing"] == framings[0]]
     default_row = at_default[0] if at_default else max(fp32_rows, key=lambda r: r["ratio"])
     result = {
         "benchmark": "wire", "fragment_bytes": fp32_bytes, "repeat": args.repeat, "rounds": args.rounds,
@@ -402,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": default_row["ratio"],
         "best_ratio": max(r["ratio"] for r in fp32_rows), "goal_ratio": 0.5,
         "ratio_means": "raw TCP round-trip time / gRPC Sync round-trip time, fp32 payload, protocol default "
-                       "chunk and options (1.0: no cost over the socket)",
+                       "chunk and options, the first framing given (1.0: no cost over the socket)",
+        "framings": framings,
         "grpc_bytes_ratio": tcp / default_row["grpc_bytes_seconds"],
         "grpc_bytes_ratio_means": "raw TCP round-trip time / round-trip time of the same bytes in plain bytes "
                                   "messages on the same gRPC server (no protobuf, framing or checks): the most "

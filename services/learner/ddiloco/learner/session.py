@@ -374,21 +374,23 @@ class Link:
                 await self._wake.wait()
                 continue
             self._transfer_id += 1
-            # the codec, the digest and the one copy into the wire messages, in one go (off the
-            # event loop for a large fragment)
-            chunks = await off_loop(out.delta.numel(), self._frame, out, self._transfer_id)
+            # the codec and the digest (off the event loop for a large fragment); each chunk is
+            # copied into its wire message as it is written, so the copy of the next one overlaps
+            # the transport's sending of this one
+            chunks = await off_loop(out.delta.numel(), self._chunks, out, self._transfer_id)
             await stream.send_transfer(chunks)
             self.bytes_sent += len(out.payload or b"")
 
-    def _frame(self, out: Outgoing, transfer_id: int) -> list[Chunk]:
-        """``out`` encoded (once: a resend keeps its payload) and cut into framed chunks."""
+    def _chunks(self, out: Outgoing, transfer_id: int) -> list[Chunk]:
+        """``out`` encoded (once: a resend keeps its payload) and cut into chunks, views of the
+        payload, each framed when it is written (``send_transfer``)."""
         if out.payload is None:
             out.payload = self._encode(out)
         return encode_fragment(
             out.delta, self.layout[out.fragment], codec=self.codec, kind="contribution", version=out.base_version,
             transfer_id=transfer_id, layout_hash=self.layout.fingerprint, sequence=out.sequence, tokens=out.tokens,
             steps=out.steps, learner_step=out.learner_step, round=out.round, hand_over=out.hand_over,
-            max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload, frame=wire.frame_chunks)
+            max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload)
 
     def _encode(self, out: Outgoing) -> bytes:
         if self.feedback is None:

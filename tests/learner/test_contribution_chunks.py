@@ -1,0 +1,74 @@
+"""How a learner's link cuts a contribution into chunks: views of its encoded payload, each copied
+into its wire message only as it is written (the serializer frames it), so a send never holds a
+second copy of the whole payload and the copy of one chunk overlaps the sending of the one before.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+import torch
+
+from ddiloco.fragments.chunking import Reassembler
+from ddiloco.fragments.partition import partition_tensors
+from ddiloco.fragments.payload import decode_fragment
+from ddiloco.learner.comm import Comm
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.events import EventLog
+from ddiloco.learner.mailbox import Outgoing
+from ddiloco.protocol import wire
+from ddiloco.protocol.config import ProtocolConfig
+
+CHUNK = 64 * 1024
+
+
+def _link(codec: str, numel: int):
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 0.01
+    layout = partition_tensors({"w": values}, 1)
+    cfg = LearnerConfig(learner_id="a", codec=codec, error_feedback=False,
+                        protocol=ProtocolConfig(max_chunk_bytes=CHUNK))
+    comm = Comm(cfg, layout=layout, model_fingerprint="x", incarnation=1,
+                events=EventLog(None, learner_id="a", incarnation=1), held=dict, genesis_values=dict)
+    return comm.lanes[0].link, layout, values
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16_zstd"])
+def test_a_contribution_is_cut_into_views_of_its_payload_and_framed_as_each_is_written(codec):
+    link, layout, values = _link(codec, 100_000)
+    out = Outgoing(0, 1, 0, tokens=10, steps=1, learner_step=1, delta=values)
+    chunks = link._chunks(out, transfer_id=3)
+    assert out.payload is not None and len(chunks) == -(-len(out.payload) // CHUNK) > 1
+    for c in chunks:
+        assert c.frame is None, "no message is built before the chunk is written"
+        assert isinstance(c.data, memoryview) and c.data.obj is out.payload, "a view, not a copy"
+    # what goes on the wire is what framing every chunk at once wrote, and it decodes to the values
+    reassembler, transfer = Reassembler(max_chunk_bytes=CHUNK), None
+    for c, eager in zip(chunks, wire.frame_chunks(chunks), strict=True):
+        raw = wire.serialize_learner_message(c)
+        assert raw == eager.framed()
+        transfer = reassembler.feed(wire.learner_message_from_pb(wire.parse_learner_message(raw)))
+    assert transfer is not None and transfer.header.sequence == 1
+    assert torch.equal(decode_fragment(transfer, layout), link.codec.decode(out.payload, values.numel()))
+    # a resend cuts the same payload again, without encoding it anew
+    payload = out.payload
+    again = link._chunks(out, transfer_id=4)
+    assert out.payload is payload and all(c.data.obj is payload for c in again)
+
+
+def test_sending_a_contribution_holds_its_payload_and_one_message_at_a_time():
+    link, _, values = _link("fp32", 2_000_000)  # 8 MB of fp32, 123 chunks
+    out = Outgoing(0, 1, 0, tokens=10, steps=1, learner_step=1, delta=values)
+    tracemalloc.start()
+    try:
+        chunks = link._chunks(out, transfer_id=1)
+        written = 0
+        for c in chunks:  # what the stream does: one message handed to gRPC, then the next
+            written += len(wire.serialize_learner_message(c))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    payload = len(out.payload or b"")
+    assert written > payload
+    # the payload, one message and the bookkeeping; framing every chunk first held twice the payload
+    assert peak < payload + 4 * CHUNK, (peak, payload)
