@@ -18,7 +18,14 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco.fragments.codec import CODEC_NAMES, Bf16ZstdCodec, Fp32Codec, Int8BlockCodec, make_codec
+from ddiloco.fragments.codec import (
+    CODEC_NAMES,
+    Bf16ZstdCodec,
+    Fp32Codec,
+    Int8BlockCodec,
+    lend_or_encode,
+    make_codec,
+)
 from ddiloco.fragments.errors import CodecError
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -459,3 +466,17 @@ def test_codec_benchmark_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def
                              "int2_block"}
         assert rows["fp32"]["ratio_vs_fp32"] == 1.0 and rows["bf16_zstd level 1"]["bf16_ratio"] > 1.2
         assert all(r["encode_MBps"] > 0 and r["encode_vs_memcpy"] > 0 for r in rows.values())
+
+
+def test_fp32_values_lend_their_memory_where_they_can_and_are_encoded_otherwise() -> None:
+    values = torch.randn(1000)
+    lent = lend_or_encode(make_codec("fp32"), values)
+    assert isinstance(lent, memoryview) and bytes(lent) == values.numpy().tobytes()
+    values[0] = 42.0  # a view: it reads the values as they are
+    assert np.frombuffer(lent, dtype="<f4")[0] == 42.0
+    # not flat contiguous (or needing grad): copied, as encode() does
+    for other in (values[::2], values.clone().requires_grad_()):
+        out = lend_or_encode(make_codec("fp32"), other)
+        assert isinstance(out, bytes) and out == make_codec("fp32").encode(other)
+    # other codecs always encode
+    assert lend_or_encode(make_codec("bf16_zstd"), values) == make_codec("bf16_zstd").encode(values)

@@ -39,9 +39,13 @@ def test_a_contribution_is_cut_into_views_of_its_payload_and_framed_as_each_is_w
     out = Outgoing(0, 1, 0, tokens=10, steps=1, learner_step=1, delta=values)
     chunks = link._chunks(out, transfer_id=3)
     assert out.payload is not None and len(chunks) == -(-len(out.payload) // CHUNK) > 1
+    if codec == "fp32":  # the values lend their memory: the payload is the delta itself
+        assert isinstance(out.payload, memoryview) and bytes(out.payload) == values.numpy().tobytes()
+        assert out.payload.obj.__array_interface__["data"][0] == values.data_ptr()
+    root = out.payload.obj if isinstance(out.payload, memoryview) else out.payload
     for c in chunks:
         assert c.frame is None, "no message is built before the chunk is written"
-        assert isinstance(c.data, memoryview) and c.data.obj is out.payload, "a view, not a copy"
+        assert isinstance(c.data, memoryview) and c.data.obj is root, "a view, not a copy"
     # what goes on the wire is what framing every chunk at once wrote, and it decodes to the values
     reassembler, transfer = Reassembler(max_chunk_bytes=CHUNK), None
     for c, eager in zip(chunks, wire.frame_chunks(chunks), strict=True):
@@ -53,12 +57,14 @@ def test_a_contribution_is_cut_into_views_of_its_payload_and_framed_as_each_is_w
     # a resend cuts the same payload again, without encoding it anew
     payload = out.payload
     again = link._chunks(out, transfer_id=4)
-    assert out.payload is payload and all(c.data.obj is payload for c in again)
+    assert out.payload is payload and all(c.data.obj is root for c in again)
 
 
-def test_sending_a_contribution_holds_its_payload_and_one_message_at_a_time():
-    link, _, values = _link("fp32", 2_000_000)  # 8 MB of fp32, 123 chunks
+@pytest.mark.parametrize("codec", ["fp32", "bf16_zstd"])
+def test_sending_a_contribution_holds_its_payload_and_one_message_at_a_time(codec):
+    link, _, values = _link(codec, 2_000_000)  # 8 MB of fp32, 123 chunks
     out = Outgoing(0, 1, 0, tokens=10, steps=1, learner_step=1, delta=values)
+    out.payload = link._encode(out)  # the codec's own working memory is not the send's
     tracemalloc.start()
     try:
         chunks = link._chunks(out, transfer_id=1)
@@ -69,6 +75,26 @@ def test_sending_a_contribution_holds_its_payload_and_one_message_at_a_time():
     finally:
         tracemalloc.stop()
     payload = len(out.payload or b"")
-    assert written > payload
-    # the payload, one message and the bookkeeping; framing every chunk first held twice the payload
-    assert peak < payload + 4 * CHUNK, (peak, payload)
+    assert written > payload > 40 * CHUNK
+    # beyond the payload: one message at a time and the bookkeeping (framing every chunk first
+    # held a second copy of the whole payload)
+    assert peak < 4 * CHUNK, (peak, payload)
+
+
+@pytest.mark.parametrize("comm", ["thread", "process"])
+def test_fp32_contributions_sent_from_the_values_they_lend_all_arrive_intact(tmp_path, comm):
+    # A real synchronizer and a loop with fp32 contributions: each payload is the outer gradient
+    # itself (in process mode, its shared-memory slot), read when each chunk is written. Had the
+    # values changed before their last chunk went, the payload digest would refuse the transfer.
+    from tests.learner.test_decoupled_sync import _events, _train, fleet
+
+    with fleet(tmp_path, comm=comm, codec="fp32") as (_, sync, model, opt, log):
+        _train(sync, model, opt, steps=30, seed=3)
+        events = _events(log)
+    sends = {e["sequence"] for e in events if e["event"] == "send"}
+    results = {e["sequence"]: e for e in events if e["event"] == "result"}
+    assert len(sends) >= 20 and set(results) | {e["sequence"] for e in events if e["event"] == "dropped"} >= sends
+    assert {r["outcome"] for r in results.values()} <= {"merged", "superseded"}, \
+        [r for r in results.values() if r["outcome"] not in ("merged", "superseded")]
+    merges = [e for e in _events(tmp_path / "synchronizer.jsonl") if e["event"] == "merge"]
+    assert sum(len(e["contributions"]) for e in merges) >= 20

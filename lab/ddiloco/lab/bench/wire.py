@@ -55,7 +55,7 @@ import grpc
 import torch
 
 from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer
-from ddiloco.fragments.codec import make_codec
+from ddiloco.fragments.codec import lend_or_encode, make_codec
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
 from ddiloco.lab.bench import add_huge_pages_option, memory_environment, rerun_as_deployed, save_result
@@ -286,7 +286,7 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
         # (digest in the header), each copied into its message when written, or all at once first
         chunks = encode_fragment(values, frag, codec=codec, kind="contribution", version=0, transfer_id=1,
                                  sequence=1, tokens=1, steps=1, max_chunk_bytes=max_chunk_bytes,
-                                 payload=codec.encode(values),
+                                 payload=lend_or_encode(codec, values),
                                  frame=wire.frame_chunks if framing == "eager" else None)
         sizes.append(sum(len(c.data) for c in chunks))
         return chunks

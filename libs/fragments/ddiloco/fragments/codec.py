@@ -53,7 +53,7 @@ from ddiloco.fragments.errors import CodecError
 from ddiloco.fragments.quantized import Int2BlockCodec, Int4BlockCodec, Int8BlockCodec, flat_fp32
 
 __all__ = ["CODEC_NAMES", "Bf16ZstdCodec", "Codec", "CodecName", "Fp32Codec", "Int2BlockCodec",
-           "Int4BlockCodec", "Int8BlockCodec", "make_codec"]
+           "Int4BlockCodec", "Int8BlockCodec", "lend_or_encode", "make_codec"]
 
 
 class Codec(Protocol):
@@ -447,3 +447,14 @@ def make_codec(name: str, *, zstd_level: int = 1, threads: int = 2, int8_block: 
     if name == "int2_block":
         return Int2BlockCodec(block_size=int2_block)
     raise CodecError(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}")
+
+
+def lend_or_encode(codec: Codec, values: torch.Tensor) -> bytes | memoryview:
+    """The payload of ``values``: fp32 values lend their own memory where they can
+    (``Fp32Codec.borrow``: no copy), anything else is encoded. A lent payload reads ``values`` as
+    they are when it is read: the caller keeps them unchanged for as long as it uses the payload
+    (a learner: until its contribution is answered or dropped; a resend reads it again)."""
+    if isinstance(codec, Fp32Codec) and (lent := codec.borrow(values)) is not None:
+        return lent
+    return codec.encode(values)
+

@@ -25,7 +25,9 @@ from ddiloco.protocol import wire
 
 @dataclass
 class Outgoing:
-    """A contribution handed over by the training loop."""
+    """A contribution handed over by the training loop. ``delta`` is the contribution's own:
+    nothing changes it until the contribution is answered or dropped (an fp32 payload is a view of
+    it, read again by a resend)."""
 
     fragment: int
     sequence: int
@@ -36,7 +38,8 @@ class Outgoing:
     delta: torch.Tensor
     round: int = 0
     """The request it answers (0: unsolicited)."""
-    payload: bytes | None = None
+    payload: bytes | memoryview | None = None
+    """Its encoded values, once encoded (``codec.lend_or_encode``: fp32 lends ``delta``'s memory)."""
     hand_over: bool = False
     """The learner's last progress on this fragment, handed over as it finishes or drains."""
 

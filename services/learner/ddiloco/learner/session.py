@@ -28,7 +28,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from ddiloco.core import events as schema
 from ddiloco.core.logs import get_logger
 from ddiloco.fragments.chunking import Chunk, Transfer
-from ddiloco.fragments.codec import make_codec
+from ddiloco.fragments.codec import lend_or_encode, make_codec
 from ddiloco.fragments.error_feedback import ErrorFeedback
 from ddiloco.fragments.partition import FragmentLayout
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
@@ -392,9 +392,9 @@ class Link:
             steps=out.steps, learner_step=out.learner_step, round=out.round, hand_over=out.hand_over,
             max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload)
 
-    def _encode(self, out: Outgoing) -> bytes:
-        if self.feedback is None:
-            return self.codec.encode(out.delta)
+    def _encode(self, out: Outgoing) -> bytes | memoryview:
+        if self.feedback is None:  # fp32 values lend their memory: each byte is copied once, as written
+            return lend_or_encode(self.codec, out.delta)
         # an earlier answer for the same fragment and base, still unanswered, is superseded by
         # this one at the synchronizer (it holds that one's progress): start from its residual
         replaces = self.mailbox.replaces(out)
