@@ -31,11 +31,12 @@ def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, k
                     transfer_id: int, layout_hash: str = "", sequence: int = 0, tokens: int = 0,
                     steps: int = 0, learner_step: int = 0, round: int = 0, hand_over: bool = False,
                     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                    payload: bytes | None = None,
+                    payload: bytes | memoryview | None = None,
                     frame: Callable[[list[Chunk]], list[Chunk]] | None = None) -> list[Chunk]:
     """Encode ``values`` (flat fp32, the fragment's concatenated tensors) as a chunked transfer.
 
-    ``payload`` may be passed when the caller already encoded the values (error feedback does).
+    ``payload`` may be passed when the caller already encoded the values (error feedback does), or
+    lent them (``codec.lend_or_encode``): the chunks are views of it, read when each is written.
     ``frame`` (``ddiloco.protocol.wire.frame_chunks``) writes the chunks as wire messages before
     this returns; the fp32 codec then reads the values' memory in place, so each byte is copied
     once, into its message, and ``values`` may change as soon as this returns.
