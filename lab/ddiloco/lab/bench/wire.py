@@ -2,7 +2,8 @@
 against raw TCP on loopback, measured in the same run.
 
 What is timed is the protocol's own path, not a toy: the fragment is sent as a learner sends a
-contribution (the codec's output, ``codec.encode``; cut into chunks by ``encode_fragment``: header,
+contribution (its payload from ``codec.lend_or_encode``: fp32 values lend their own memory, other
+codecs encode; cut into chunks by ``encode_fragment``: header,
 payload digest, with ``digest_only`` peers no CRC-32C per chunk; each chunk copied into its wire
 message as it is written, or with ``--framing eager`` every chunk before the first is written, as
 learners did before), serialized and parsed by ``ddiloco.protocol.wire`` (chunk data is never
@@ -282,8 +283,8 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
     sizes: list[int] = []
 
     def make_chunks() -> list[Any]:
-        # a learner's contribution: the codec's output (kept for a resend), cut into chunks
-        # (digest in the header), each copied into its message when written, or all at once first
+        # a learner's contribution: its payload (kept for a resend; fp32 values lent), cut into
+        # chunks (digest in the header), each copied into its message when written, or all first
         chunks = encode_fragment(values, frag, codec=codec, kind="contribution", version=0, transfer_id=1,
                                  sequence=1, tokens=1, steps=1, max_chunk_bytes=max_chunk_bytes,
                                  payload=lend_or_encode(codec, values),
