@@ -114,6 +114,8 @@ class ScriptedLearner:
         self._beat: asyncio.Task[None] | None = None
         self.step_time_s = 0.1
         """What its heartbeats report (the fleet's clock runs at this pace)."""
+        self.training_done = False
+        """What its heartbeats say about training (set by ``heartbeat(training_done=...)``)."""
         self.closed: Exception | None = None
 
     def hello(self, **overrides) -> wire.Hello:
@@ -180,11 +182,16 @@ class ScriptedLearner:
         await self.stream.send_transfer(chunks)
         return seq
 
-    async def heartbeat(self, step: int = 1, step_time_s: float | None = None, training_done: bool = False) -> None:
+    async def heartbeat(self, step: int = 1, step_time_s: float | None = None,
+                        training_done: bool | None = None) -> None:
+        """One heartbeat; ``training_done`` is kept for the ones after (the pump's too), as a real
+        learner that finished says so in every heartbeat from then on."""
         if step_time_s is not None:
             self.step_time_s = step_time_s
+        if training_done is not None:
+            self.training_done = training_done
         await self.stream.send(wire.Heartbeat(step=step, tokens_total=step * 100, tokens_per_s=1000.0,
-                                              step_time_s=self.step_time_s, training_done=training_done))
+                                              step_time_s=self.step_time_s, training_done=self.training_done))
 
     async def wait_request(self, fragment: int, after_round: int = 0, timeout_s: float = 10.0) -> wire.FragmentRequest:
         """The synchronizer's next request for ``fragment`` (a round after ``after_round``)."""

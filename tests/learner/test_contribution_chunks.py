@@ -19,6 +19,7 @@ from ddiloco.learner.events import EventLog
 from ddiloco.learner.mailbox import Outgoing
 from ddiloco.protocol import wire
 from ddiloco.protocol.config import ProtocolConfig
+from tests.learner.test_decoupled_sync import _events, _train, fleet
 
 CHUNK = 64 * 1024
 
@@ -86,15 +87,16 @@ def test_fp32_contributions_sent_from_the_values_they_lend_all_arrive_intact(tmp
     # A real synchronizer and a loop with fp32 contributions: each payload is the outer gradient
     # itself (in process mode, its shared-memory slot), read when each chunk is written. Had the
     # values changed before their last chunk went, the payload digest would refuse the transfer.
-    from tests.learner.test_decoupled_sync import _events, _train, fleet
-
     with fleet(tmp_path, comm=comm, codec="fp32") as (_, sync, model, opt, log):
         _train(sync, model, opt, steps=30, seed=3)
         events = _events(log)
     sends = {e["sequence"] for e in events if e["event"] == "send"}
+    # the synchronizer asks for about 3 of 4 steps' fragments at the loop's pace: 22-23 sends here
+    # (also on one CPU); the bound leaves room for a slower start of the fleet's clock
+    assert {e["fragment"] for e in events if e["event"] == "send"} == {0, 1, 2}
     results = {e["sequence"]: e for e in events if e["event"] == "result"}
-    assert len(sends) >= 20 and set(results) | {e["sequence"] for e in events if e["event"] == "dropped"} >= sends
+    assert len(sends) >= 10 and set(results) | {e["sequence"] for e in events if e["event"] == "dropped"} >= sends
     assert {r["outcome"] for r in results.values()} <= {"merged", "superseded"}, \
         [r for r in results.values() if r["outcome"] not in ("merged", "superseded")]
     merges = [e for e in _events(tmp_path / "synchronizer.jsonl") if e["event"] == "merge"]
-    assert sum(len(e["contributions"]) for e in merges) >= 20
+    assert sum(len(e["contributions"]) for e in merges) >= 10

@@ -627,6 +627,7 @@ async def test_where_every_live_learner_must_answer_a_finished_learners_answer_s
         await _decided(server, "waiting for quorum: 0/1 answers (1 from learners no longer live)")
         await asyncio.sleep(1.0)  # twice the longest grace: nothing merges without a
         assert b.result_for(sb) is None and server.engine.rounds[0].fragment.version == 0
+        assert server.engine.membership.live(server.engine.clock()) == {"a"}, "b's heartbeats still say done"
         sa = await a.contribute(0, _delta(1, a, 0), base_version=0)
         ra, rb = await a.wait_result(sa, timeout_s=5), await b.wait_result(sb, timeout_s=5)
         assert ra.outcome == rb.outcome == "merged" and ra.version == rb.version == 1

@@ -158,9 +158,9 @@ class LearnerFragment:
         """Apply the merged ``values`` of global ``version`` at the boundary before ``step``; returns
         the new local values, or None when ``version`` is not newer than the one applied (a
         resync always applies, by ``overwrite``)."""
-        if not resync and version <= self.version:
+        policy = self._policy(policy, version, resync)
+        if policy is None:
             return None
-        policy = "overwrite" if resync else policy
         new = apply_global(policy, local=local, global_=values, reference=self._reference(), alpha=alpha)
         self._commit(policy, values, version, step)  # after the arithmetic: bad input changes nothing
         return new
@@ -171,14 +171,21 @@ class LearnerFragment:
         itself (and checked them first): None when ``version`` is not newer than the one applied,
         else the policy it applies by and the reference of ``apply_global``. ``values`` is the new
         base from here on."""
-        if not resync and version <= self.version:
+        policy = self._policy(policy, version, resync)
+        if policy is None:
             return None
-        policy = "overwrite" if resync else policy
         if policy not in APPLY_POLICIES:
             raise ValueError(f"unknown apply policy {policy!r}")
         reference = self._reference()
         self._commit(policy, values, version, step)
         return policy, reference
+
+    def _policy(self, policy: str, version: int, resync: bool) -> str | None:
+        """The policy ``version`` is applied by (a resync always applies, by ``overwrite``), or None
+        when it is not newer than the one applied."""
+        if resync:
+            return "overwrite"
+        return policy if version > self.version else None
 
     def _reference(self) -> torch.Tensor:
         """The point up to which local progress was handed over (see ``apply_global``)."""
