@@ -158,11 +158,11 @@ class LearnerFragment:
         """Apply the merged ``values`` of global ``version`` at the boundary before ``step``; returns
         the new local values, or None when ``version`` is not newer than the one applied (a
         resync always applies, by ``overwrite``)."""
-        policy = self._policy(policy, version, resync)
-        if policy is None:
+        applied = self._policy(policy, version, resync)
+        if applied is None:
             return None
-        new = apply_global(policy, local=local, global_=values, reference=self._reference(), alpha=alpha)
-        self._commit(policy, values, version, step)  # after the arithmetic: bad input changes nothing
+        new = apply_global(applied, local=local, global_=values, reference=self._reference(), alpha=alpha)
+        self._commit(applied, values, version, step)  # after the arithmetic: bad input changes nothing
         return new
 
     def accept(self, policy: str, *, values: torch.Tensor, version: int, step: int,
@@ -171,14 +171,14 @@ class LearnerFragment:
         itself (and checked them first): None when ``version`` is not newer than the one applied,
         else the policy it applies by and the reference of ``apply_global``. ``values`` is the new
         base from here on."""
-        policy = self._policy(policy, version, resync)
-        if policy is None:
+        applied = self._policy(policy, version, resync)
+        if applied is None:
             return None
-        if policy not in APPLY_POLICIES:
-            raise ValueError(f"unknown apply policy {policy!r}")
+        if applied not in APPLY_POLICIES:
+            raise ValueError(f"unknown apply policy {applied!r}")
         reference = self._reference()
-        self._commit(policy, values, version, step)
-        return policy, reference
+        self._commit(applied, values, version, step)
+        return applied, reference
 
     def _policy(self, policy: str, version: int, resync: bool) -> str | None:
         """The policy ``version`` is applied by (a resync always applies, by ``overwrite``), or None
