@@ -200,8 +200,12 @@ def _grpc_echo(max_chunk_bytes: int, extra: list[tuple[str, Any]], ports: Any, s
     asyncio.run(serve())
 
 
-async def _grpc_round_trips(port: int, make_chunks: Callable[[], list[Any]], finish: Callable[[Transfer], None],
-                            max_chunk_bytes: int, extra: list[tuple[str, Any]], repeat: int) -> float:
+async def _grpc_round_trips(port: int, make_chunks: Callable[[], list[Any]], finish: Callable[[Transfer], Any],
+                            check: Callable[[Any], None], max_chunk_bytes: int, extra: list[tuple[str, Any]],
+                            repeat: int) -> float:
+    """Best seconds for a fragment sent (``make_chunks``), echoed and received (``finish``: decoded, as a
+    learner decodes a merged fragment). ``check`` (the values came back unchanged) is the benchmark's
+    own verification: it runs after the clock stops, as the plain-bytes echo's comparison does."""
     best = float("inf")
     options = client_options(message_limit(max_chunk_bytes)) + extra
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
@@ -228,9 +232,10 @@ async def _grpc_round_trips(port: int, make_chunks: Callable[[], list[Any]], fin
                     break
             await sender
             assert transfer is not None, "nothing came back"
-            finish(transfer)
+            received = finish(transfer)
             best = min(best, time.perf_counter() - start)
             call.cancel()
+            check(received)
     return best
 
 
@@ -292,8 +297,10 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
         sizes.append(sum(len(c.data) for c in chunks))
         return chunks
 
-    def finish(transfer: Transfer) -> None:
-        decoded = decode_fragment(transfer, layout, zstd_threads=threads)
+    def finish(transfer: Transfer) -> torch.Tensor:
+        return decode_fragment(transfer, layout, zstd_threads=threads)
+
+    def check(decoded: torch.Tensor) -> None:
         if codec_name == "fp32" and not torch.equal(decoded, values):
             raise AssertionError("the stream returned other values")
 
@@ -303,7 +310,7 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
     child.start()
     try:
         port = ports.get(timeout=120)
-        seconds = asyncio.run(_grpc_round_trips(port, make_chunks, finish, max_chunk_bytes, extra, repeat))
+        seconds = asyncio.run(_grpc_round_trips(port, make_chunks, finish, check, max_chunk_bytes, extra, repeat))
         wire_payload = bytes(codec.encode(values))
         plain = {n: asyncio.run(_bytes_round_trips(port, wire_payload, max_chunk_bytes, extra, repeat, n))
                  for n in streams}  # in the order given: the caller rotates it between rounds
