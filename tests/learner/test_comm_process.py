@@ -153,6 +153,36 @@ def test_a_sigkilled_communication_process_is_started_again_and_nothing_is_lost(
         assert after, "contributions sent by the new communication process merge"
 
 
+def test_the_communication_process_writes_its_events_to_the_log_as_they_happen(tmp_path):
+    """The child appends its own events (a contribution's result) to the learner's event log when
+    they happen, not when training next reads the channel: a training process that is not at a
+    step boundary (here: it never calls the learner again until the result is in the file) still
+    has them on disk. Training counts them once it reads them, without writing them twice."""
+    with fleet(tmp_path, comm="process") as (_, sync, model, opt, log):
+        gen = torch.Generator().manual_seed(3)
+        assert sync.join() == 0
+        sends: list[dict] = []
+        deadline = time.monotonic() + 60
+        while not sends and time.monotonic() < deadline:
+            sync.step(tokens=32, loss=_loss(model, opt, gen))
+            sends = [e for e in _events(log) if e["event"] == "send"]
+        assert sends, "nothing was sent within the deadline"
+        last = max(e["sequence"] for e in sends)
+        counted = sync.events.counts.get("result", 0)
+        # no call into the learner from here: the child alone can write the result
+        deadline = time.monotonic() + 30
+        while not any(e["event"] == "result" and e["sequence"] == last for e in _events(log)):
+            assert time.monotonic() < deadline, "the result of the last contribution never reached the log"
+            time.sleep(0.05)
+        assert sync.events.counts.get("result", 0) == counted, "training has not read it yet"
+        assert sync.finish()
+        events = _events(log)  # every line whole: the two processes' lines never interleave
+        results = [e["sequence"] for e in events if e["event"] == "result"]
+        assert len(results) == len(set(results)), "each result written once"
+        assert sync.events.counts["result"] == len(results), "and counted once by training"
+        assert {e["learner_id"] for e in events} == {"loop-a"}
+
+
 def test_merged_fragments_come_back_on_the_channel_when_every_return_slot_is_filled(tmp_path, monkeypatch):
     """One return slot, and training not reading while a heal's three fragments come back: the first
     fills the slot, the others follow their messages on the channel; all three are applied whole."""

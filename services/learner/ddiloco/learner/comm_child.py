@@ -25,6 +25,7 @@ import torch
 
 from ddiloco.core import logs
 from ddiloco.learner.comm_process import (
+    OBSERVED,
     STATS,
     STOP_TIMEOUT_S,
     ChildSpec,
@@ -114,8 +115,12 @@ def _child(fd: int, batch: bool = True) -> None:
         logs.get_logger("ddiloco.learner.comm").warning(
             "SCHED_BATCH refused: the communication process may preempt training when it wakes")
     outbox = _Outbox(conn)
-    events = EventLog(None, **spec.bound)
-    events.observers.append(lambda event, fields: outbox.put(("event", time.time(), event, fields)))
+    events = EventLog(spec.event_log, **spec.bound)  # appended to as training appends to it
+
+    def observed(event: str, fields: dict[str, Any]) -> None:
+        if event in OBSERVED:
+            outbox.put(("event", event, fields))
+    events.observers.append(observed)
     pool = SlotPool.attach(spec.pool_fd, spec.pool_count, spec.pool_slot_bytes)
     returns = ReturnSlots.attach(spec.returns_fd, spec.returns_count, spec.returns_slot_bytes)
     shared = SharedValues.attach(spec.shared_fd, STATS + spec.layout.num_fragments)
@@ -182,6 +187,7 @@ def _child(fd: int, batch: bool = True) -> None:
         watcher.join(5)
         _report(comm, outbox, {})
         outbox.close()
+        events.close()
 
 
 def _report(comm: Any, outbox: _Outbox, sent: dict[int, bool]) -> tuple[Any, ...]:

@@ -16,10 +16,12 @@ thread of its own:
   when it asks (``take_requests``, ``take_arrivals``...), at its step boundaries. A merged
   fragment's values come back through shared memory too (``ReturnSlots``: the child copies them
   into a free slot, training copies them out and frees it, no message back); when every slot is
-  filled they follow their message on the channel. Events are
-  written to the learner's log with the time they happened in the child; a learner killed between
-  two boundaries loses the events of that interval that it had not read (thread mode writes them
-  at once).
+  filled they follow their message on the channel.
+- **Events** of the communication side are written to the learner's event log by the child as they
+  happen (the same file, opened for appending: one ``write`` per line, so the lines of the two
+  processes never interleave), as thread mode writes them. Those the training process acts on (a
+  contribution's result or drop frees its slot; connects and results feed the metrics) are also
+  sent to it, and it counts them without writing them again (``EventLog.observe``).
 - **The pace and the held versions** (what heartbeats and a reconnect's Hello say) are written
   once a step into shared values (``SharedValues``) that the child reads when it needs them: no
   message, no wake-up.
@@ -111,6 +113,13 @@ class ChildSpec:
     rejoin: bool
     """A restart: joined already, so every session is a reconnect."""
     log_settings: dict[str, Any] = field(default_factory=dict)
+    event_log: str | None = None
+    """The learner's event log, which the child appends its own events to (None: no log)."""
+
+
+OBSERVED = frozenset({schema.RESULT, schema.DROPPED, schema.CONNECT, schema.DISCONNECT})
+"""The child's events that the training process acts on (slots, metrics); the child sends these
+to it besides writing them, and writes the rest only."""
 
 
 def send_values(conn: Connection | Channel, values: torch.Tensor) -> None:
@@ -251,7 +260,7 @@ class ProcessComm:
         spec = ChildSpec(self.cfg, self.layout, self.model_fingerprint, self.incarnation, self.labels,
                      dict(self.events.bound), self._pool.fd, self._pool.count, self._pool.slot_bytes,
                      self._shared.fd, self._returns.fd, self._returns.count, self._returns.slot_bytes, rejoin,
-                     logs.settings())
+                     logs.settings(), self.events.path)
         self._conn.send(pickle.dumps(spec))
 
     def _died(self) -> None:
@@ -317,9 +326,9 @@ class ProcessComm:
 
     def _handle(self, msg: tuple[Any, ...], conn: Channel) -> None:
         kind = msg[0]
-        if kind == "event":
-            _, t, event, fields = msg
-            self.events.emit_at(t, event, **fields)
+        if kind == "event":  # written to the log by the child
+            _, event, fields = msg
+            self.events.observe(event, fields)
             if event in (schema.RESULT, schema.DROPPED):
                 self._release(fields["sequence"])
         elif kind == "request":

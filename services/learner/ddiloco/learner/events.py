@@ -30,19 +30,28 @@ class EventLog:
         self.observers: list[Callable[[str, dict[str, Any]], None]] = []
 
     def emit(self, event: str, **fields: Any) -> None:
-        self.emit_at(time.time(), event, **fields)
-
-    def emit_at(self, t: float, event: str, **fields: Any) -> None:
-        """``emit`` of an event that happened at Unix time ``t`` (in the communication process)."""
+        """Write the event, then tell the observers (one that tells another process finds the line
+        in the file already)."""
         schema.validate(self.log, event, self.bound.keys() | fields.keys())
+        with self._lock:
+            if self._file is not None:
+                record = {"event": event, "t": time.time(), **self.bound, **fields}
+                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._observed(event, fields)
+
+    def observe(self, event: str, fields: dict[str, Any]) -> None:
+        """What ``emit`` does but the writing: check the event, tell the observers, count it. For an
+        event another process wrote to the same file (the communication process writes its own
+        events; each line is one ``write`` to a file opened for appending, so lines of the two
+        processes never interleave)."""
+        schema.validate(self.log, event, self.bound.keys() | fields.keys())
+        self._observed(event, fields)
+
+    def _observed(self, event: str, fields: dict[str, Any]) -> None:
         for observer in self.observers:
             observer(event, fields)
         with self._lock:
             self.counts[event] = self.counts.get(event, 0) + 1
-            if self._file is None:
-                return
-            record = {"event": event, "t": t, **self.bound, **fields}
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         with self._lock:
