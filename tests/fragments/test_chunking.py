@@ -411,7 +411,7 @@ def test_decode_rejects_non_finite(codec_name: str, bad: float) -> None:
 def test_decode_rejects_payload_above_the_codec_bound(codec_name: str) -> None:
     transfer = _transfer(torch.zeros(LAYOUT[0].numel), codec_name=codec_name)
     bound = make_codec(codec_name).max_encoded_bytes(LAYOUT[0].numel)
-    big = Transfer(transfer.header, transfer.payload + bytes(bound + 1 - len(transfer.payload)))
+    big = Transfer(transfer.header, bytes(transfer.payload) + bytes(bound + 1 - len(transfer.payload)))
     with pytest.raises(OversizedChunkError):
         decode_fragment(big, LAYOUT)
 
@@ -438,29 +438,97 @@ def test_decode_rejects_invalid_int8_block_size_in_header() -> None:
         decode_fragment(_with_header(transfer, block_size=5), LAYOUT)
 
 
-def test_a_reassembled_fp32_transfer_is_decoded_without_a_copy_and_a_bytes_payload_is_copied() -> None:
+def test_a_reassembled_fp32_transfer_is_decoded_without_a_copy_and_a_lent_payload_is_copied() -> None:
     values = torch.randn(LAYOUT[0].numel)
     transfer = _transfer(values, codec_name="fp32")
-    assert isinstance(transfer.payload, bytearray), "reassembly hands over a buffer of its own"
+    assert transfer.owned, "reassembly hands over a buffer of its own"
     assert hash(transfer) == hash(Transfer(transfer.header, bytes(transfer.payload), transfer.received_at))
     decoded = decode_fragment(transfer, LAYOUT)
     assert torch.equal(decoded, values)
     decoded[0] = 123.0  # the tensor took the transfer's buffer over
     assert struct.unpack_from("<f", transfer.payload)[0] == 123.0
-    frozen = Transfer(transfer.header, bytes(transfer.payload))
-    copied = decode_fragment(frozen, LAYOUT)
-    copied[0] = 7.0  # a bytes payload is never written through
-    assert struct.unpack_from("<f", frozen.payload)[0] == 123.0
+    for lent in (bytes(transfer.payload), memoryview(bytearray(transfer.payload))):
+        frozen = Transfer(transfer.header, lent)
+        assert not frozen.owned
+        copied = decode_fragment(frozen, LAYOUT)
+        copied[0] = 7.0  # bytes or a view it was lent are never written through
+        assert struct.unpack_from("<f", frozen.payload)[0] == 123.0
+    # the same payload under another header is still the transfer's own: taken over, not copied
+    moved = transfer.under(dataclasses.replace(transfer.header, version=9))
+    assert moved.owned and moved.header.version == 9
+    decode_fragment(moved, LAYOUT)[0] = 5.0
+    assert struct.unpack_from("<f", transfer.payload)[0] == 5.0
 
 
-def test_a_reassembled_transfer_joins_its_chunks_once_and_only_when_its_payload_is_read() -> None:
+def test_a_reassembled_transfer_copies_each_chunk_as_it_arrives_and_keeps_none() -> None:
     payload = os.urandom(4 * CHUNK + 3)
-    transfer = _feed_all(Reassembler(max_chunk_bytes=CHUNK), _chunks(payload))
-    assert transfer is not None
-    assert transfer.size == len(payload)
+    sources = [bytearray(c.data) for c in _chunks(payload)]
+    reassembler = Reassembler(max_chunk_bytes=CHUNK)
+    transfer = None
+    for chunk, source in zip(_chunks(payload), sources, strict=True):
+        transfer = reassembler.feed(dataclasses.replace(chunk, data=memoryview(source), frame=None))
+        source[:] = b"\0" * len(source)  # the chunk's message is gone once read: its bytes were copied
+    assert transfer is not None and transfer.owned
+    assert transfer.size == len(payload) and transfer.payload == payload
+    assert transfer == Transfer(transfer.header, payload, transfer.received_at)
+    assert transfer != Transfer(transfer.header, payload[:-1] + b"x", transfer.received_at)
+
+
+def test_a_transfer_of_parts_joins_them_once_and_only_when_its_payload_is_read() -> None:
+    payload = os.urandom(4 * CHUNK + 3)
+    transfer = Transfer(_header(), [payload[:CHUNK], memoryview(payload)[CHUNK:]])
+    assert transfer.size == len(payload) and transfer.owned
     assert isinstance(transfer._body, tuple), "not joined before it is read"
     joined = transfer.payload
     assert isinstance(joined, bytearray) and joined == payload
     assert transfer.payload is joined
-    assert transfer == Transfer(transfer.header, payload, transfer.received_at)
-    assert transfer != Transfer(transfer.header, payload[:-1] + b"x", transfer.received_at)
+
+
+def test_a_header_that_declares_much_and_sends_little_takes_little_memory() -> None:
+    """The payload buffer is allocated at the declared size when a transfer starts, but memory is
+    only taken as chunks are copied in: a sender that declares 512 MiB and sends one chunk costs
+    about a chunk (the synchronizer also bounds what a transfer may declare)."""
+    def resident_mib() -> float:  # now, not the high-water mark
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+    declared = 512 << 20
+    chunk_bytes = 1 << 20
+    header = dataclasses.replace(_header(), encoded_bytes=declared, chunk_count=declared // chunk_bytes,
+                                 digest=bytes(16))
+    reassembler = Reassembler(max_chunk_bytes=chunk_bytes, max_payload_bytes=1 << 34)
+    before = resident_mib()
+    assert reassembler.feed(Chunk(3, 0, os.urandom(chunk_bytes), 0, header)) is None
+    assert reassembler.in_progress is not None
+    grown_mib = resident_mib() - before
+    assert grown_mib < 64, f"a 512 MiB declaration took {grown_mib:.0f} MiB"
+    with pytest.raises(MissingChunkError):
+        reassembler.finish()
+
+
+def test_receiving_a_transfer_holds_its_payload_once_not_its_chunks_and_a_join() -> None:
+    """Each chunk is copied into the payload as it arrives and its message can go at once: a
+    transfer received and read whole peaks at its payload plus a chunk (traced allocations), where
+    keeping the chunks and joining them at the end held twice the payload."""
+    import tracemalloc
+
+    size, chunk_bytes = 16 << 20, 1 << 20
+    source = os.urandom(size)
+    chunks = split(_header(), source, transfer_id=5, max_chunk_bytes=chunk_bytes)
+    header = chunks[0].header
+    reassembler = Reassembler(max_chunk_bytes=chunk_bytes)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        transfer = None
+        for c in chunks:  # each chunk in a message of its own, gone once read (as gRPC hands them over)
+            message = bytes(c.data)
+            transfer = reassembler.feed(Chunk(c.transfer_id, c.index, message, 0, header if c.index == 0 else None))
+            del message
+        assert transfer is not None
+        assert len(transfer.payload) == size
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert bytes(transfer.payload) == source
+    assert peak < size + 4 * chunk_bytes, f"receiving {size >> 20} MiB peaked at {peak / (1 << 20):.1f} MiB"

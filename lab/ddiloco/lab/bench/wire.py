@@ -9,10 +9,11 @@ message as it is written, or with ``--framing eager`` every chunk before the fir
 learners did before), serialized and parsed by ``ddiloco.protocol.wire`` (chunk data is never
 copied into or out of a protobuf message), sent on a ``Sync`` bidirectional stream of a ``grpc.aio``
 server with the synchronizer's channel options, reassembled and verified there
-(``Reassembler``: the digest, chunk by chunk; the echo does not decode, so it never joins the
-payload), sent back as the messages it came in (a relay's zero-copy path; the synchronizer
+(``Reassembler``: each chunk copied into the transfer's payload and hashed as it arrives, as the
+synchronizer receives a contribution), sent back as the messages it came in (a relay's zero-copy path; the synchronizer
 sends a global version's messages framed once when it was encoded) and verified again, with the learner's channel
-options on the client. "codec on" adds bf16_zstd encoding before the send and decoding after the
+options on the client, and decoded (the clock stops there: comparing the values with those sent is
+the benchmark's own check and runs after, as the plain-bytes echo's comparison does). "codec on" adds bf16_zstd encoding before the send and decoding after the
 round trip (what a contribution and a merged fragment cost end to end); "codec off" sends fp32.
 
 The baseline moves the same bytes through a plain TCP socket on the same loopback, both ways

@@ -4,7 +4,9 @@ gRPC refuses messages above its configured maximum (4 MiB by default), and one h
 holds the whole payload in memory twice on each side, so every payload travels as chunks of at
 most ``max_chunk_bytes``. The first chunk carries the transfer header, including an xxh3-128
 digest of the whole payload: the one integrity check of a transfer, computed once when it is cut
-and once, chunk by chunk as they arrive, when it is reassembled. Chunks may also carry a CRC-32C
+and once, chunk by chunk as they arrive, when it is reassembled. A receiver copies each chunk into
+the transfer's payload buffer as it arrives, so a complete transfer is whole at once (no join after
+the last chunk) and each chunk's message can be freed as soon as it is read. Chunks may also carry a CRC-32C
 of their bytes, for receivers of older versions that check every chunk: ``split`` leaves it unset
 (0) and ``Chunk.with_crc32c`` fills it in for a peer that did not say it checks by digest alone
 (``digest_only`` on the wire). This version's ``Reassembler`` does not read it.
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import crc32c as _crc32c
+import numpy as np
 import xxhash
 
 from ddiloco.fragments.errors import (
@@ -119,33 +122,49 @@ class Chunk:
 class Transfer:
     """A complete, verified transfer.
 
-    Reassembly keeps the received chunks as they arrived; ``payload`` joins them on first use, into
-    a bytearray that belongs to the transfer and that ``Fp32Codec`` takes over instead of copying:
-    once decoded, the payload is the decoded tensor's memory and is not to be read again (an
-    in-place change to the tensor changes it). A transfer refused on its header alone, or relayed
-    without decoding, is never joined."""
+    A reassembled transfer's payload is one buffer of its own, filled chunk by chunk as they
+    arrived (``Reassembler``). A transfer built from separate parts joins them on first use, into a
+    bytearray of its own. Either way ``owned`` is true, and ``Fp32Codec.take`` decodes the payload
+    without copying it: once decoded, the payload is the decoded tensor's memory and is not to be
+    read again (an in-place change to the tensor changes it). A transfer refused on its header
+    alone, or relayed without decoding, is never decoded."""
 
     __slots__ = ("_body", "header", "received_at")
 
-    def __init__(self, header: TransferHeader, payload: bytes | bytearray | Sequence[bytes | memoryview],
+    def __init__(self, header: TransferHeader,
+                 payload: bytes | bytearray | memoryview | np.ndarray | Sequence[bytes | memoryview],
                  received_at: float | None = None) -> None:
+        """``payload``: the bytes, a buffer of the transfer's own (a bytearray, or a uint8 array),
+        or the parts to join."""
         self.header = header
-        self._body: bytes | bytearray | tuple[bytes | memoryview, ...] = (
-            payload if isinstance(payload, bytes | bytearray) else tuple(payload))
+        self._body: bytes | bytearray | memoryview | np.ndarray | tuple[bytes | memoryview, ...] = (
+            payload if isinstance(payload, bytes | bytearray | memoryview | np.ndarray) else tuple(payload))
         self.received_at = time.monotonic() if received_at is None else received_at
 
     @property
-    def payload(self) -> bytes | bytearray:
+    def payload(self) -> bytes | bytearray | memoryview:
         body = self._body
         if isinstance(body, tuple):
             body = self._body = bytearray().join(body)
-        return body
+        return body.data if isinstance(body, np.ndarray) else body
+
+    @property
+    def owned(self) -> bool:
+        """Whether the payload is memory of this transfer's own, which a decoder may take over
+        (reassembled, joined, or given as a bytearray), rather than bytes it was lent."""
+        return isinstance(self._body, bytearray | np.ndarray | tuple)
+
+    def under(self, header: TransferHeader) -> Transfer:
+        """The same payload (not copied, owned as this one's is) under another header."""
+        return Transfer(header, self._body, self.received_at)
 
     @property
     def size(self) -> int:
         """The payload's length in bytes (without joining it)."""
         body = self._body
-        return sum(len(p) for p in body) if isinstance(body, tuple) else len(body)
+        if isinstance(body, tuple):
+            return sum(len(p) for p in body)
+        return body.nbytes if isinstance(body, memoryview) else len(body)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Transfer):
@@ -190,9 +209,10 @@ class Reassembler:
         self._header: TransferHeader | None = None
         self._transfer_id = 0
         self._next = 0
-        self._parts: list[bytes | memoryview] = []
-        """The chunks received so far, joined once when the transfer completes (appending to one
-        growing buffer and copying it out cost 73 ms for 64 MiB where one join costs 41)."""
+        self._buf: np.ndarray | None = None
+        """The payload of the transfer in progress: its declared size, allocated when it starts
+        (memory the kernel hands out as each chunk is copied in: a header that declares much and
+        sends little takes little), filled chunk by chunk."""
         self._size = 0
         self._hash = xxhash.xxh3_128()
 
@@ -202,7 +222,7 @@ class Reassembler:
         return self._header
 
     def _fail(self, exc: Exception) -> Exception:
-        self._header, self._next, self._parts, self._size = None, 0, [], 0
+        self._header, self._next, self._buf, self._size = None, 0, None, 0
         return exc
 
     def feed(self, chunk: Chunk) -> Transfer | None:
@@ -236,20 +256,23 @@ class Reassembler:
         if self._size + len(chunk.data) > header.encoded_bytes:
             raise self._fail(OversizedChunkError(
                 f"transfer {chunk.transfer_id} carries more than its declared {header.encoded_bytes} bytes"))
-        self._parts.append(chunk.data)
-        self._hash.update(chunk.data)
-        self._size += len(chunk.data)
+        data = chunk.data
+        n = len(data)
+        assert self._buf is not None
+        self._buf.data[self._size:self._size + n] = data  # one copy, into the payload
+        self._hash.update(data)
+        self._size += n
         self._next += 1
         if self._next < header.chunk_count:
             return None
-        size, parts, got = self._size, self._parts, self._hash.digest()
-        self._header, self._next, self._parts, self._size = None, 0, [], 0
+        size, payload, got = self._size, self._buf, self._hash.digest()
+        self._header, self._next, self._buf, self._size = None, 0, None, 0
         if size != header.encoded_bytes:
             raise MissingChunkError(
                 f"transfer {chunk.transfer_id} has {size} of {header.encoded_bytes} declared bytes")
         if got != header.digest:
             raise ChecksumError(f"transfer {chunk.transfer_id} fails its payload digest")
-        return Transfer(header, parts)  # joined when its payload is first read
+        return Transfer(header, payload)
 
     def _start(self, chunk: Chunk) -> None:
         header = chunk.header
@@ -270,7 +293,7 @@ class Reassembler:
         self._header = header
         self._transfer_id = chunk.transfer_id
         self._next = 0
-        self._parts, self._size = [], 0
+        self._buf, self._size = np.empty(header.encoded_bytes, dtype=np.uint8), 0
         self._hash.reset()
 
     def finish(self) -> None:

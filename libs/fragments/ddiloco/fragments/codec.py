@@ -90,16 +90,26 @@ class Fp32Codec:
         return memoryview(values.detach().reshape(-1).numpy().data).cast("B")
 
     def decode(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor:
-        """The values as a tensor of their own. A ``bytearray`` payload is taken over instead of
-        copied (on a little-endian machine): the tensor shares its memory, so the caller must not
-        reuse it. Reassembled transfers come as a bytearray of their own for this reason (64 MiB
-        copied into a fresh buffer costs 15-40 ms on 2 cores)."""
+        """The values as a tensor of their own. A ``bytearray`` payload is taken over (``take``)."""
+        if isinstance(payload, bytearray):
+            return self.take(payload, num_values)
+        self._check(payload, num_values)
+        return torch.from_numpy(np.frombuffer(payload, dtype="<f4").copy())
+
+    def take(self, payload: bytes | bytearray | memoryview, num_values: int) -> torch.Tensor:
+        """The values in ``payload``'s own memory, not copied (on a little-endian machine): a
+        writable buffer the caller gives up and must not reuse, such as a reassembled transfer's
+        (64 MiB copied into a fresh buffer costs 15-40 ms on 2 cores). Read-only bytes are copied."""
+        self._check(payload, num_values)
+        if sys.byteorder == "little" and num_values and not isinstance(payload, bytes) and (
+                not memoryview(payload).readonly):
+            return torch.frombuffer(payload, dtype=torch.float32)
+        return torch.from_numpy(np.frombuffer(payload, dtype="<f4").copy())
+
+    @staticmethod
+    def _check(payload: bytes | bytearray | memoryview, num_values: int) -> None:
         if len(payload) != 4 * num_values:
             raise CodecError(f"fp32 payload has {len(payload)} bytes, expected {4 * num_values}")
-        if isinstance(payload, bytearray) and sys.byteorder == "little" and num_values:
-            return torch.frombuffer(payload, dtype=torch.float32)
-        arr = np.frombuffer(payload, dtype="<f4").copy()
-        return torch.from_numpy(arr)
 
     def max_encoded_bytes(self, num_values: int) -> int:
         return 4 * num_values

@@ -96,7 +96,11 @@ def decode_fragment(transfer: Transfer, layout: FragmentLayout, *, zstd_threads:
             f"fragment {fragment.index}: {transfer.size} payload bytes exceed the {header.codec} "
             f"bound of {bound}")
     try:
-        values = codec.decode(transfer.payload, fragment.numel)
+        payload = transfer.payload
+        if transfer.owned and isinstance(codec, Fp32Codec):  # its memory becomes the values'
+            values = codec.take(payload, fragment.numel)
+        else:
+            values = codec.decode(payload, fragment.numel)
     except CodecError:
         raise
     except (ValueError, RuntimeError) as exc:

@@ -74,7 +74,7 @@ class Genesis:
         header = dataclasses.replace(transfer.header, fragment_id=0)
         try:
             check_header(header, single)
-            values = await self.run_blocking(decode_fragment, Transfer(header, transfer.payload), single,
+            values = await self.run_blocking(decode_fragment, transfer.under(header), single,
                                              zstd_threads=self.codec_threads)
         except FragmentError as exc:
             self.ledger.reject(c, exc.reason.lower(), str(exc))
