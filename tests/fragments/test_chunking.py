@@ -532,3 +532,24 @@ def test_receiving_a_transfer_holds_its_payload_once_not_its_chunks_and_a_join()
         tracemalloc.stop()
     assert bytes(transfer.payload) == source
     assert peak < size + 4 * chunk_bytes, f"receiving {size >> 20} MiB peaked at {peak / (1 << 20):.1f} MiB"
+
+
+def test_a_relay_verifies_each_transfer_and_keeps_its_chunks_as_they_came() -> None:
+    """``relay=True``: order, sizes and the digest are checked as for any receiver, but the chunks
+    are kept as views of their messages (a relay forwards those), not copied into a payload; the
+    payload is joined only if read."""
+    payload = os.urandom(4 * CHUNK + 3)
+    sources = [bytearray(c.data) for c in _chunks(payload)]
+    relay = Reassembler(max_chunk_bytes=CHUNK, relay=True)
+    transfer = None
+    for chunk, source in zip(_chunks(payload), sources, strict=True):
+        transfer = relay.feed(dataclasses.replace(chunk, data=memoryview(source), frame=None))
+    assert transfer is not None and isinstance(transfer._body, tuple), "kept, not copied"
+    sources[0][0] ^= 0xFF  # a view of the message: what it holds is what the transfer holds
+    assert transfer.payload[0] == sources[0][0] and transfer.size == len(payload)
+    bad = _chunks(payload)
+    bad[2] = dataclasses.replace(bad[2], data=b"x" * len(bad[2].data), frame=None)
+    with pytest.raises(ChecksumError):
+        _feed_all(Reassembler(max_chunk_bytes=CHUNK, relay=True), bad)
+    with pytest.raises(ReorderedChunkError):
+        _feed_all(Reassembler(max_chunk_bytes=CHUNK, relay=True), [_chunks(payload)[i] for i in (0, 2, 1, 3, 4)])

@@ -9,8 +9,8 @@ message as it is written, or with ``--framing eager`` every chunk before the fir
 learners did before), serialized and parsed by ``ddiloco.protocol.wire`` (chunk data is never
 copied into or out of a protobuf message), sent on a ``Sync`` bidirectional stream of a ``grpc.aio``
 server with the synchronizer's channel options, reassembled and verified there
-(``Reassembler``: each chunk copied into the transfer's payload and hashed as it arrives, as the
-synchronizer receives a contribution), sent back as the messages it came in (a relay's zero-copy path; the synchronizer
+(``Reassembler(relay=True)``: order, sizes and the digest, chunk by chunk; a relay does not read the
+payload, so the chunks are kept as they came, as the plain-bytes echo keeps its messages), sent back as the messages it came in (a relay's zero-copy path; the synchronizer
 sends a global version's messages framed once when it was encoded) and verified again, with the learner's channel
 options on the client, and decoded (the clock stops there: comparing the values with those sent is
 the benchmark's own check and runs after, as the plain-bytes echo's comparison does). "codec on" adds bf16_zstd encoding before the send and decoding after the
@@ -151,7 +151,7 @@ class _Echo(wire.SynchronizerServicer):
         self.max_chunk_bytes = max_chunk_bytes
 
     async def Sync(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        reassembler = Reassembler(max_chunk_bytes=self.max_chunk_bytes, max_payload_bytes=1 << 34)
+        reassembler = Reassembler(max_chunk_bytes=self.max_chunk_bytes, max_payload_bytes=1 << 34, relay=True)
         chunks = []
         async for raw in request_iterator:
             chunk = wire.learner_message_from_pb(raw)

@@ -203,9 +203,14 @@ class Reassembler:
     older senders add, is not read: the digest covers every byte it would)."""
 
     def __init__(self, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 max_payload_bytes: int = 1 << 34) -> None:
+                 max_payload_bytes: int = 1 << 34, relay: bool = False) -> None:
+        """``relay``: for a receiver that forwards the chunks' messages as they came and does not
+        read the payload: each chunk is verified and kept as it came (a view of its message), not
+        copied into a payload buffer; the transfer joins them only if its payload is read."""
         self.max_chunk_bytes = max_chunk_bytes
         self.max_payload_bytes = max_payload_bytes
+        self.relay = relay
+        self._parts: list[bytes | memoryview] = []
         self._header: TransferHeader | None = None
         self._transfer_id = 0
         self._next = 0
@@ -222,7 +227,7 @@ class Reassembler:
         return self._header
 
     def _fail(self, exc: Exception) -> Exception:
-        self._header, self._next, self._buf, self._size = None, 0, None, 0
+        self._header, self._next, self._buf, self._parts, self._size = None, 0, None, [], 0
         return exc
 
     def feed(self, chunk: Chunk) -> Transfer | None:
@@ -258,15 +263,18 @@ class Reassembler:
                 f"transfer {chunk.transfer_id} carries more than its declared {header.encoded_bytes} bytes"))
         data = chunk.data
         n = len(data)
-        assert self._buf is not None
-        self._buf.data[self._size:self._size + n] = data  # one copy, into the payload
+        if self._buf is not None:
+            self._buf.data[self._size:self._size + n] = data  # one copy, into the payload
+        else:
+            self._parts.append(data)
         self._hash.update(data)
         self._size += n
         self._next += 1
         if self._next < header.chunk_count:
             return None
-        size, payload, got = self._size, self._buf, self._hash.digest()
-        self._header, self._next, self._buf, self._size = None, 0, None, 0
+        size, got = self._size, self._hash.digest()
+        payload = self._buf if self._buf is not None else self._parts
+        self._header, self._next, self._buf, self._parts, self._size = None, 0, None, [], 0
         if size != header.encoded_bytes:
             raise MissingChunkError(
                 f"transfer {chunk.transfer_id} has {size} of {header.encoded_bytes} declared bytes")
@@ -293,7 +301,8 @@ class Reassembler:
         self._header = header
         self._transfer_id = chunk.transfer_id
         self._next = 0
-        self._buf, self._size = np.empty(header.encoded_bytes, dtype=np.uint8), 0
+        self._buf = None if self.relay else np.empty(header.encoded_bytes, dtype=np.uint8)
+        self._parts, self._size = [], 0
         self._hash.reset()
 
     def finish(self) -> None:
