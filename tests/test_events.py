@@ -153,3 +153,32 @@ def test_the_events_reference_is_generated_from_the_registry():
     for log, events in schema.REGISTRY.items():
         for name in events:
             assert f"| `{name}` |" in text[begin:end], (log, name)
+
+
+def test_a_learner_log_given_a_relative_path_is_one_file_whatever_the_directory(monkeypatch, tmp_path):
+    """The event log keeps its absolute path: the communication process appends to it from a
+    directory of its own choosing, and a training process that changes directory keeps one file.
+    ``observe`` counts and tells the observers without writing."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    events = EventLog("l.jsonl", learner_id="a", incarnation=1)
+    seen = []
+    events.observers.append(lambda event, fields: seen.append(event))
+    try:
+        assert events.path == str(tmp_path / "l.jsonl")
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        other = EventLog(events.path, learner_id="a", incarnation=1)  # as the child opens it
+        result = {"sequence": 1, "fragment": 0, "outcome": "merged", "version": 1, "reason": "", "weight": 1.0,
+                  "staleness": 0, "detail": ""}
+        other.emit(schema.RESULT, **result)
+        other.close()
+        events.observe(schema.RESULT, result)
+        events.emit(schema.DROPPED, sequence=2, fragment=0, reason="stopped")
+    finally:
+        events.close()
+    lines = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
+    assert [line["event"] for line in lines] == ["result", "dropped"], "observed, not written again"
+    assert events.counts == {"result": 1, "dropped": 1} and seen == ["result", "dropped"]
+    assert not (tmp_path / "elsewhere" / "l.jsonl").exists()

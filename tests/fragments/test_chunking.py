@@ -553,3 +553,28 @@ def test_a_relay_verifies_each_transfer_and_keeps_its_chunks_as_they_came() -> N
         _feed_all(Reassembler(max_chunk_bytes=CHUNK, relay=True), bad)
     with pytest.raises(ReorderedChunkError):
         _feed_all(Reassembler(max_chunk_bytes=CHUNK, relay=True), [_chunks(payload)[i] for i in (0, 2, 1, 3, 4)])
+
+
+def test_a_transfer_larger_than_the_machine_can_map_is_refused_as_oversized_and_nothing_is_kept() -> None:
+    """A declaration within ``max_payload_bytes`` but beyond what can be allocated (here 2^60 bytes,
+    beyond any address space) is refused as oversized when it starts; the reassembler is left
+    with no transfer in progress and takes the next one."""
+    declared, chunk_bytes = 1 << 60, 1 << 20
+    header = dataclasses.replace(_header(), encoded_bytes=declared, chunk_count=declared // chunk_bytes,
+                                 digest=bytes(16))
+    reassembler = Reassembler(max_chunk_bytes=chunk_bytes, max_payload_bytes=1 << 61)
+    with pytest.raises(OversizedChunkError, match="cannot be allocated"):
+        reassembler.feed(Chunk(3, 0, os.urandom(16), 0, header))
+    assert reassembler.in_progress is None
+    payload = os.urandom(3 * CHUNK)
+    transfer = _feed_all(reassembler, split(_header(), payload, transfer_id=4, max_chunk_bytes=chunk_bytes))
+    assert transfer is not None and transfer.payload == payload
+
+
+def test_chunks_that_are_views_of_any_format_are_counted_and_copied_as_bytes() -> None:
+    values = torch.arange(40, dtype=torch.float32)
+    payload = values.numpy().tobytes()
+    chunks = split(_header(), payload, transfer_id=6, max_chunk_bytes=CHUNK)
+    floats = [dataclasses.replace(c, data=memoryview(bytearray(c.data)).cast("f"), frame=None) for c in chunks]
+    transfer = _feed_all(Reassembler(max_chunk_bytes=CHUNK), floats)
+    assert transfer is not None and transfer.payload == payload

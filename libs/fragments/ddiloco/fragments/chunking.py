@@ -232,9 +232,11 @@ class Reassembler:
 
     def feed(self, chunk: Chunk) -> Transfer | None:
         """Add one chunk; return the transfer when it completes. Raises ``ChunkError``."""
-        if len(chunk.data) > self.max_chunk_bytes:
+        data = chunk.data if isinstance(chunk.data, bytes) else memoryview(chunk.data).cast("B")
+        n = len(data)  # bytes, whatever the view's format
+        if n > self.max_chunk_bytes:
             raise self._fail(OversizedChunkError(
-                f"chunk {chunk.index} of transfer {chunk.transfer_id} has {len(chunk.data)} bytes; "
+                f"chunk {chunk.index} of transfer {chunk.transfer_id} has {n} bytes; "
                 f"limit {self.max_chunk_bytes}"))
         if chunk.index == 0:
             if self._header is not None:
@@ -258,11 +260,9 @@ class Reassembler:
                 f"expected chunk {self._next} of transfer {chunk.transfer_id}, got {chunk.index}"))
         header = self._header
         assert header is not None
-        if self._size + len(chunk.data) > header.encoded_bytes:
+        if self._size + n > header.encoded_bytes:
             raise self._fail(OversizedChunkError(
                 f"transfer {chunk.transfer_id} carries more than its declared {header.encoded_bytes} bytes"))
-        data = chunk.data
-        n = len(data)
         if self._buf is not None:
             self._buf.data[self._size:self._size + n] = data  # one copy, into the payload
         else:
@@ -298,10 +298,16 @@ class Reassembler:
                 f"transfer {chunk.transfer_id} declares {header.chunk_count} chunks for {header.encoded_bytes} bytes"))
         if len(header.digest) != 16:
             raise self._fail(HeaderError(f"transfer {chunk.transfer_id} has no 16-byte digest"))
+        try:
+            buf = None if self.relay else np.empty(header.encoded_bytes, dtype=np.uint8)
+        except (MemoryError, ValueError) as exc:  # more than this machine can map
+            raise self._fail(OversizedChunkError(
+                f"transfer {chunk.transfer_id} declares {header.encoded_bytes} bytes, which cannot be "
+                f"allocated here: {exc}")) from exc
         self._header = header
         self._transfer_id = chunk.transfer_id
         self._next = 0
-        self._buf = None if self.relay else np.empty(header.encoded_bytes, dtype=np.uint8)
+        self._buf = buf
         self._parts, self._size = [], 0
         self._hash.reset()
 

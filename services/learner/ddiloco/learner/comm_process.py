@@ -260,7 +260,7 @@ class ProcessComm:
         spec = ChildSpec(self.cfg, self.layout, self.model_fingerprint, self.incarnation, self.labels,
                      dict(self.events.bound), self._pool.fd, self._pool.count, self._pool.slot_bytes,
                      self._shared.fd, self._returns.fd, self._returns.count, self._returns.slot_bytes, rejoin,
-                     logs.settings(), os.path.abspath(self.events.path) if self.events.path else None)
+                     logs.settings(), self.events.path)
         self._conn.send(pickle.dumps(spec))
 
     def _died(self) -> None:

@@ -10,6 +10,7 @@ readers drop.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -22,10 +23,12 @@ class EventLog:
     def __init__(self, path: str | None, *, log: str = schema.LEARNER_LOG, **bound: Any) -> None:
         """``bound``: the fields every line carries (the learner log's ``learner_id`` and
         ``incarnation``); ``log``: the log of ``ddiloco.core.events`` the events belong to."""
-        self.path, self.log = path, log
+        self.path = os.path.abspath(path) if path else None
+        """Absolute: the communication process appends to the same file whatever its directory."""
+        self.log = log
         self.bound = bound
         self._lock = threading.Lock()
-        self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in close()
+        self._file = open(self.path, "a", buffering=1) if self.path else None  # noqa: SIM115 - closed in close()
         self.counts: dict[str, int] = {}
         self.observers: list[Callable[[str, dict[str, Any]], None]] = []
 
