@@ -373,3 +373,53 @@ def test_return_slots_claimed_by_threads_at_once_are_never_the_same_slot() -> No
     finally:
         sys.setswitchinterval(interval)
         slots.close()
+
+
+def test_a_claimed_slot_is_written_in_place_and_read_by_the_peer(reader) -> None:
+    pool = SlotPool.create(2, 4 * 1000)
+    proc = reader(pool)
+    try:
+        ref = pool.claim(1000)
+        assert ref is not None and pool.free_slots == 1
+        torch.sub(torch.arange(1000, dtype=torch.float32), 0.5, out=pool.view(ref))  # computed into the slot
+        slot, numel, generation, total = _ask(proc, f"{ref.slot} {ref.numel} {ref.generation}").split()
+        assert SlotRef(int(slot), int(numel), int(generation)) == ref
+        assert float(total) == float((torch.arange(1000, dtype=torch.float32) - 0.5).sum())
+        assert pool.free(ref) and pool.free_slots == 2
+        with pytest.raises(ValueError, match="do not fit"):
+            pool.claim(pool.max_values + 1)
+        with pytest.raises(ValueError, match="do not fit"):
+            pool.claim(-1)
+        assert pool.free_slots == 2
+        held = [pool.claim(10), pool.claim(10)]
+        assert all(held) and pool.claim(10) is None
+        peer = SlotPool.attach(os.dup(pool.fd), 2, 4 * 1000)
+        with pytest.raises(RuntimeError, match="owner"):
+            peer.claim(1)
+        peer.close()
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+    finally:
+        pool.close()
+
+
+def test_a_view_kept_past_close_stays_readable_and_a_second_close_does_nothing() -> None:
+    # In a process of its own: were the block unmapped under the view, reading it would crash.
+    script = textwrap.dedent("""
+        import torch
+        from ddiloco.learner.slots import ReturnSlots, SlotPool
+        pool = SlotPool.create(2, 64)
+        ref = pool.put(torch.full((16,), 7.0))
+        kept = pool.view(ref)
+        pool.close()
+        pool.close()
+        returns = ReturnSlots.create(1, 64)
+        kept_back = returns._view(0, 16)
+        returns.close()
+        kept_back.fill_(2.0)
+        print(float(kept.sum()), float(kept_back.sum()))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["112.0", "32.0"]

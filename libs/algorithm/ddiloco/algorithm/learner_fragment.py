@@ -117,9 +117,10 @@ class LearnerFragment:
         synchronizer restart) holds the fragment back ``sync_every`` steps at most."""
         return self.sent is not None and step - self.sent.step < sync_every
 
-    def contribution(self, current: torch.Tensor) -> torch.Tensor | None:
-        """The outer gradient ``base - current`` to send; None when it is not finite (heal instead)."""
-        delta = outer_gradient(self.base, current)
+    def contribution(self, current: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The outer gradient ``base - current`` to send (computed into ``out`` when given); None
+        when it is not finite (heal instead)."""
+        delta = outer_gradient(self.base, current, out)
         return delta if all_finite(delta) else None
 
     def send(self, step: int, current: torch.Tensor, *, keep_values: bool) -> None:

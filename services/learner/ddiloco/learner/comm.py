@@ -130,7 +130,15 @@ class Comm:
         for lane in self.lanes:
             lane.thread.start()
 
-    def submit(self, out: Outgoing) -> None:
+    def claim(self, numel: int) -> None:
+        """No slot to compute a contribution into: the thread reads the training loop's own tensor
+        (``ProcessComm.claim`` lends shared memory)."""
+        return None
+
+    def release(self, claim: None) -> None:
+        """Nothing claimed, nothing to give back."""
+
+    def submit(self, out: Outgoing, claim: None = None) -> None:
         """Queue a contribution (see ``Mailbox.submit``) and wake its shard's sender."""
         lane = self.lane(out.fragment)
         lane.mailbox.submit(out)

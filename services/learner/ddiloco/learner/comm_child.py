@@ -36,7 +36,7 @@ from ddiloco.learner.comm_process import (
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
 from ddiloco.learner.session import LiveStats
-from ddiloco.learner.slots import ReturnSlots, SharedValues, SlotPool
+from ddiloco.learner.slots import ReturnSlots, SharedValues, SlotPool, SlotRef
 from ddiloco.protocol import wire
 
 
@@ -166,7 +166,7 @@ def _child(fd: int, batch: bool = True) -> None:
             kind = msg[0]
             if kind == "submit":
                 fragment, sequence, base, tokens, steps, learner_step, round_no, hand_over, ref = msg[1:10]
-                delta = pool.view(ref) if ref is not None else recv_values(conn, msg[10])
+                delta = pool.view(SlotRef(*ref)) if ref is not None else recv_values(conn, msg[10])
                 comm.submit(Outgoing(fragment, sequence, base, tokens, steps, learner_step, delta, round=round_no,
                                      hand_over=hand_over))
             elif kind == "beat":

@@ -54,7 +54,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -69,7 +69,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
 from ddiloco.learner.session import LiveStats
-from ddiloco.learner.slots import ReturnSlots, SharedValues, SlotPool, SlotRef
+from ddiloco.learner.slots import Claim, ReturnSlots, SharedValues, SlotPool, SlotRef
 from ddiloco.protocol import wire
 
 MAX_RESTARTS = 5
@@ -187,9 +187,16 @@ class _Join:
 class _Sent:
     """A contribution handed to the child and not answered yet."""
 
-    out: Outgoing
-    """Its fields; ``delta`` only when it went on the channel (no slot was free)."""
+    fields: tuple[Any, ...]
+    """Its ``submit`` message but the values: fragment, sequence, base version, tokens, steps,
+    learner step, round, hand-over."""
+    delta: torch.Tensor | None
+    """Its values when they went on the channel (no slot was free); None when they are in ``ref``."""
     ref: SlotRef | None
+
+    @property
+    def fragment(self) -> int:
+        return int(self.fields[0])
 
 
 class ProcessComm:
@@ -379,20 +386,42 @@ class ProcessComm:
 
     # -- Comm's interface -----------------------------------------------------------------
 
-    def submit(self, out: Outgoing) -> None:
+    def claim(self, numel: int) -> Claim | None:
+        """A slot to compute a contribution's values into (``Claim.values``), then hand to
+        ``submit``: the outer gradient is written into shared memory once instead of computed and
+        then copied there. None when every slot is held (``submit`` sends the values on the
+        channel). ``release`` gives back a claim that is not submitted."""
         assert self._pool is not None, "start() first"
-        ref = self._pool.put(out.delta.reshape(-1))
-        sent = _Sent(out if ref is None else replace(out, delta=torch.empty(0)), ref)
-        self._sent[out.sequence] = sent
+        ref = self._pool.claim(numel)
+        return None if ref is None else Claim(self._pool.view(ref), ref)
+
+    def release(self, claim: Claim | None) -> None:
+        """Give back a claimed slot that no contribution was submitted in."""
+        if claim is not None and self._pool is not None:
+            self._pool.free(claim.ref)
+
+    def submit(self, out: Outgoing, claim: Claim | None = None) -> None:
+        """Hand a contribution to the child: its values in ``claim``'s slot (computed there), else
+        copied into a free slot, else sent on the channel."""
+        assert self._pool is not None, "start() first"
+        if claim is not None:
+            if claim.values.data_ptr() != out.delta.data_ptr() or claim.ref.numel != out.delta.numel():
+                raise ValueError("a claimed slot must hold the contribution's values")
+            ref: SlotRef | None = claim.ref
+        else:
+            ref = self._pool.put(out.delta.reshape(-1))
+        fields = (out.fragment, out.sequence, out.base_version, out.tokens, out.steps, out.learner_step, out.round,
+                  out.hand_over)
+        sent = self._sent[out.sequence] = _Sent(fields, out.delta if ref is None else None, ref)
         self._hand_over(sent)
 
     def _hand_over(self, sent: _Sent) -> None:
-        o = sent.out
-        fields = (o.fragment, o.sequence, o.base_version, o.tokens, o.steps, o.learner_step, o.round, o.hand_over)
-        if sent.ref is not None:
-            self._send(("submit", *fields, sent.ref))
+        ref = sent.ref
+        if ref is not None:  # the slot as plain numbers: a dataclass pickles at several times the cost
+            self._send(("submit", *sent.fields, (ref.slot, ref.numel, ref.generation)))
         else:
-            self._send(("submit", *fields, None, o.delta.numel()), o.delta)
+            assert sent.delta is not None
+            self._send(("submit", *sent.fields, None, sent.delta.numel()), sent.delta)
 
     def take_requests(self) -> dict[int, int]:
         self.pump()
@@ -461,7 +490,7 @@ class ProcessComm:
         proc.wait()
         self._close_channel()
         for seq in sorted(self._sent):  # never handed over (the child was gone): dropped here
-            self.events.emit(schema.DROPPED, sequence=seq, fragment=self._sent[seq].out.fragment,
+            self.events.emit(schema.DROPPED, sequence=seq, fragment=self._sent[seq].fragment,
                              reason="learner stopped before the contribution was answered")
         self._sent.clear()
         if self._pool is not None:

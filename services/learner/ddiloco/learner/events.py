@@ -18,6 +18,9 @@ from typing import Any
 
 from ddiloco.core import events as schema
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+"""One encoder for every line (``json.dumps`` with options builds one per call)."""
+
 
 class EventLog:
     def __init__(self, path: str | None, *, log: str = schema.LEARNER_LOG, **bound: Any) -> None:
@@ -39,7 +42,7 @@ class EventLog:
         with self._lock:
             if self._file is not None:
                 record = {"event": event, "t": time.time(), **self.bound, **fields}
-                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._file.write(_ENCODE(record) + "\n")
         self._observed(event, fields)
 
     def observe(self, event: str, fields: dict[str, Any]) -> None:

@@ -80,12 +80,13 @@ class LocalFragments:
         for state in self.state.values():
             state.trained(tokens)
 
-    def contribution(self, p: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(current values, outer gradient) of fragment ``p``; the gradient is None when not finite."""
+    def contribution(self, p: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(current values, outer gradient) of fragment ``p``; the gradient is None when not finite.
+        ``out``: where to compute the gradient (flat fp32, the fragment's size)."""
         t0 = time.perf_counter()
         current = self.bound[p].gather()
         t0 = self.time("gather", t0)
-        delta = self.state[p].contribution(current)
+        delta = self.state[p].contribution(current, out)
         self.time("outer_gradient", t0)
         return current, delta
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from ddiloco.core import build_labels
@@ -30,15 +32,23 @@ class LearnerMetrics:
                                "Sync streams up: 1 while connected (a sharded synchronizer: one per shard)",
                                registry=r)
         self._streams_up: set[str] = set()
+        self._outcomes: dict[str, Any] = {}
+        """Each outcome's child of ``contributions``, made once (``labels()`` looks it up under a lock)."""
+
+    def _outcome(self, outcome: str) -> Any:
+        child = self._outcomes.get(outcome)
+        if child is None:
+            child = self._outcomes[outcome] = self.contributions.labels(outcome)
+        return child
 
     def observe(self, event: str, fields: dict) -> None:
         """An event-log observer: the counters that follow from the learner's events."""
         if event == schema.RESULT:
-            self.contributions.labels(fields.get("outcome", "")).inc()
+            self._outcome(fields.get("outcome", "")).inc()
         elif event == schema.DROPPED:
-            self.contributions.labels("dropped").inc()
+            self._outcome("dropped").inc()
         elif event == schema.SEND:
-            self.contributions.labels("sent").inc()
+            self._outcome("sent").inc()
         elif event == schema.APPLY:
             self.applies.inc()
         elif event in (schema.CONNECT, schema.DISCONNECT):

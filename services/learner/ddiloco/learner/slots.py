@@ -67,15 +67,27 @@ class _Mapped:
     buf: mmap.mmap
 
     def close(self) -> None:
-        """Unmap and close this process's descriptor. Every tensor viewing the block must be gone."""
-        try:
-            self.buf.close()
-        finally:
-            os.close(self.fd)
+        """Close this process's descriptor and let go of the block (a second call does nothing).
+        The mapping goes with the last tensor that views it: ``torch.frombuffer`` keeps a reference
+        to the mapping but no buffer export, so ``mmap.close`` would unmap it under a view still held
+        somewhere (a traceback's frame, a caller's variable), whose next read would crash the process."""
+        if self.fd < 0:
+            return
+        fd, self.fd = self.fd, -1
+        del self.buf
+        os.close(fd)
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A slot held for values its holder computes in place: ``values`` is the slot's memory."""
+
+    values: torch.Tensor
+    ref: SlotRef
 
 
 class _Slots(_Mapped):
@@ -93,6 +105,20 @@ class _Slots(_Mapped):
         if numel == 0:
             return torch.empty(0)
         return torch.frombuffer(self.buf, dtype=torch.float32, count=numel, offset=self.head + slot * self.slot_bytes)
+
+    def _view(self, slot: int, numel: int) -> torch.Tensor:
+        """``_tensor``, made once per slot and size and kept (a learner's fragments come in a few
+        sizes): at a step boundary every call into torch costs tens of microseconds. ``close``
+        drops them."""
+        key = (slot, numel)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._tensor(slot, numel)
+        return view
+
+    def close(self) -> None:
+        self._views.clear()
+        super().close()
 
 
 class SharedValues(_Mapped):
@@ -159,6 +185,7 @@ class SlotPool(_Slots):
             raise ValueError(f"the shared block holds {size} bytes, not {count} x {slot_bytes}")
         self.fd, self.count, self.slot_bytes, self.owner = fd, count, slot_bytes, owner
         self.buf = mmap.mmap(fd, count * slot_bytes)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
         self.generation = 0
         self._free = list(range(count))
         self._held: set[int] = set()
@@ -182,24 +209,31 @@ class SlotPool(_Slots):
 
     def put(self, values: torch.Tensor) -> SlotRef | None:
         """Copy flat fp32 ``values`` into a free slot; None when every slot is held."""
-        self._owned("put")
         if values.dtype != torch.float32:
             raise TypeError(f"slots hold fp32 values, got {values.dtype}")
-        numel = values.numel()
-        if numel > self.max_values:
+        ref = self.claim(values.numel())
+        if ref is not None:
+            self.view(ref).copy_(values.detach().reshape(-1))
+        return ref
+
+    def claim(self, numel: int) -> SlotRef | None:
+        """Hold a free slot for ``numel`` values that the caller writes in place (``view``): the
+        values are computed into shared memory instead of copied there. None when every slot is
+        held; ``free`` gives it back, written or not."""
+        self._owned("claim")
+        if not 0 <= numel <= self.max_values:
             raise ValueError(f"{numel} values do not fit a slot of {self.max_values}")
         if not self._free:
             return None
         slot = self._free.pop()
         self._held.add(slot)
-        self._tensor(slot, numel).copy_(values.detach().reshape(-1))
         return SlotRef(slot, numel, self.generation)
 
     def view(self, ref: SlotRef) -> torch.Tensor:
         """The values of a filled slot, in place (valid until the slot is released)."""
         if not 0 <= ref.slot < self.count or not 0 <= ref.numel <= self.max_values:
             raise ValueError(f"no slot {ref.slot} of {ref.numel} values in a pool of {self.count} x {self.max_values}")
-        return self._tensor(ref.slot, ref.numel)
+        return self._view(ref.slot, ref.numel)
 
     def free(self, ref: SlotRef) -> bool:
         """Return a released slot to the free list; False for a ref of an older generation or a
@@ -244,6 +278,7 @@ class ReturnSlots(_Slots):
         if size < self.head + count * slot_bytes:
             raise ValueError(f"the shared block holds {size} bytes, not {count} x {slot_bytes} and their states")
         self.buf = mmap.mmap(fd, self.head + count * slot_bytes)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
         self._claiming = threading.Lock()
 
     @classmethod
@@ -277,7 +312,7 @@ class ReturnSlots(_Slots):
             if slot < 0:
                 return None
             self.buf[slot] = self.CLAIMED
-        self._tensor(slot, numel).copy_(values.detach().reshape(-1))
+        self._view(slot, numel).copy_(values.detach().reshape(-1))
         self.buf[slot] = self.FILLED  # the reader learns of the slot from a message sent after this
         return SlotRef(slot, numel, 0)
 

@@ -421,23 +421,31 @@ class DecoupledSync:
         tokens, steps = frag.counters
         if steps == 0:
             return
-        current, delta = self.local.contribution(p)
-        if delta is None:
-            self.heal([p], "non-finite outer gradient")
-            return
-        if self.corrupted.is_set():  # fault injection: a hostile learner (its own model stays sound)
-            delta = delta * self.cfg.corrupt_factor
-        claimed = max(1, round(tokens * self.cfg.inflate_factor)) if self.inflated.is_set() else tokens
-        seq = next(self.sequence)
-        # Logged before the hand-off: once handed over, the communication thread may send it, and
-        # it may be merged (and answered) before this thread runs again; a "send" logged after it
-        # could then be missing from the log of a learner frozen or killed in between.
-        self.events.emit(schema.SEND, step=step, fragment=p, sequence=seq, base_version=frag.version, tokens=claimed,
-                         steps=steps, from_step=frag.window_start, to_step=step, round=round_no,
-                         hand_over=hand_over)
+        # In process mode the outer gradient is computed straight into shared memory (a slot the
+        # communication process reads it from), not computed and then copied there.
+        claim = self.comm.claim(self.layout[p].numel)
+        try:
+            current, delta = self.local.contribution(p, None if claim is None else claim.values)
+            if delta is None:
+                self.comm.release(claim)
+                self.heal([p], "non-finite outer gradient")
+                return
+            if self.corrupted.is_set():  # fault injection: a hostile learner (its own model stays sound)
+                delta.mul_(self.cfg.corrupt_factor)  # the contribution's own tensor
+            claimed = max(1, round(tokens * self.cfg.inflate_factor)) if self.inflated.is_set() else tokens
+            seq = next(self.sequence)
+            # Logged before the hand-off: once handed over, the communication thread may send it, and
+            # it may be merged (and answered) before this thread runs again; a "send" logged after it
+            # could then be missing from the log of a learner frozen or killed in between.
+            self.events.emit(schema.SEND, step=step, fragment=p, sequence=seq, base_version=frag.version,
+                             tokens=claimed, steps=steps, from_step=frag.window_start, to_step=step, round=round_no,
+                             hand_over=hand_over)
+        except BaseException:
+            self.comm.release(claim)
+            raise
         t0 = time.perf_counter()
         self.comm.submit(Outgoing(p, seq, frag.version, claimed, steps, step, delta, round=round_no,
-                                  hand_over=hand_over))
+                                  hand_over=hand_over), claim)
         self.local.time("handoff", t0)
         frag.send(step, current, keep_values=self.cfg.apply_policy == "replay")
 
