@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 from ddiloco.learner.comm_process import ProcessComm
 from ddiloco.learner.mailbox import Outgoing
 from ddiloco.learner.sync import DecoupledSync
+from tests.learner.test_comm_process import _loss
 from tests.learner.test_decoupled_sync import PROTOCOL, _events
 from tests.procs import synchronizer
 
@@ -36,15 +36,6 @@ class _WithSpare(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> float:
-    x = torch.randn(32, 8, generator=gen)
-    loss = ((model(x).squeeze(1) - x @ torch.linspace(-1, 1, 8)) ** 2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
 
 
 def _held(comm: ProcessComm) -> int:
@@ -69,13 +60,12 @@ def test_outer_gradients_are_computed_in_their_slots_and_a_non_finite_one_gives_
             assert sync.join() == 0
             gen = torch.Generator().manual_seed(3)
             for _ in range(6):
-                sync.step(tokens=32, loss=_train(model, opt, gen))
-                time.sleep(0.05)
+                sync.step(tokens=32, loss=_loss(model, opt, gen))
                 pool = comm._pool
                 assert pool is not None and pool.free_slots == pool.count - _held(comm), "no slot leaks"
             for _ in range(20):  # a step that sent nothing: every fragment has progress to hand over
                 assert comm.flush(timeout_s=60.0), "every contribution so far answered"
-                sync.step(tokens=32, loss=_train(model, opt, gen))
+                sync.step(tokens=32, loss=_loss(model, opt, gen))
                 if not any(e["event"] == "send" and e["step"] == sync.step_count for e in _events(log)):
                     break
             else:
