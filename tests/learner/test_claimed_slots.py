@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def test_outer_gradients_are_computed_in_their_slots_and_a_non_finite_one_gives_
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         log = tmp_path / "a.jsonl"
         sync = DecoupledSync(model, optimizer=opt, synchronizer=target, learner_id="slots", fragments=3,
-                             sync_every=4, steps=12, event_log=str(log), join_timeout_s=60.0, comm="process")
+                             sync_every=4, steps=1000, event_log=str(log), join_timeout_s=60.0, comm="process")
         comm = sync.comm
         assert isinstance(comm, ProcessComm)
         stopped = False
@@ -63,13 +64,16 @@ def test_outer_gradients_are_computed_in_their_slots_and_a_non_finite_one_gives_
                 sync.step(tokens=32, loss=_loss(model, opt, gen))
                 pool = comm._pool
                 assert pool is not None and pool.free_slots == pool.count - _held(comm), "no slot leaks"
-            for _ in range(20):  # a step that sent nothing: every fragment has progress to hand over
+            # A step that sent nothing: every fragment has progress to hand over. How many steps it
+            # takes depends on how the synchronizer's requests fall (on one CPU, about three).
+            deadline = time.monotonic() + 120.0
+            while True:
                 assert comm.flush(timeout_s=60.0), "every contribution so far answered"
                 sync.step(tokens=32, loss=_loss(model, opt, gen))
                 if not any(e["event"] == "send" and e["step"] == sync.step_count for e in _events(log)):
                     break
-            else:
-                pytest.fail("every step sent something")
+                if time.monotonic() > deadline:
+                    pytest.fail("every step for 120 s sent something")
 
             # The synchronizer stopped: what is handed over stays in its slots, to be read here.
             os.kill(server.pid, signal.SIGSTOP)
