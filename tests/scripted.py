@@ -170,13 +170,16 @@ class ScriptedLearner:
             await self.stream.send_transfer(chunks)
 
     async def contribute(self, fragment: int, delta: torch.Tensor, *, base_version: int, tokens: int = 1000,
-                         steps: int = 4, **header_overrides) -> int:
+                         steps: int = 4, trailing_digest: bool | None = None, **header_overrides) -> int:
+        """``trailing_digest``: None does what a learner does (a trailing digest to a synchronizer
+        that reads one)."""
         frag = self.layout[fragment]
         seq = next(self.sequence)
+        trailing = self.stream.peer_trailing_digest if trailing_digest is None else trailing_digest
         chunks = encode_fragment(delta.float(), frag, codec=self.codec, kind="contribution", version=base_version,
                                  transfer_id=next(self.transfer_ids), layout_hash=self.layout.fingerprint,
                                  sequence=seq, tokens=tokens, steps=steps,
-                                 max_chunk_bytes=self.protocol.max_chunk_bytes)
+                                 max_chunk_bytes=self.protocol.max_chunk_bytes, trailing_digest=trailing)
         if header_overrides:
             chunks[0] = dataclasses.replace(chunks[0], header=dataclasses.replace(chunks[0].header, **header_overrides))
         await self.stream.send_transfer(chunks)

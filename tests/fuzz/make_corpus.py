@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode_input import LAYOUT, WIRE, frames_input, run_one, wire_input
 
+from ddiloco.fragments.chunking import sealed
 from ddiloco.fragments.codec import Int8BlockCodec, make_codec
 from ddiloco.fragments.payload import encode_fragment
 from ddiloco.protocol import wire
@@ -91,6 +92,11 @@ def seeds() -> dict[str, bytes]:
                              kind="contribution", version=3, transfer_id=2, sequence=9, tokens=1, steps=1,
                              max_chunk_bytes=4096)
     out["wire-two-transfers"] = wire_input(first + second)
+    trailing = encode_fragment(values("weights", frag.numel), frag, codec=make_codec("fp32"), kind="contribution",
+                               version=3, transfer_id=5, sequence=11, tokens=1, steps=1, max_chunk_bytes=200,
+                               trailing_digest=True)
+    out["wire-trailing-digest"] = wire_input(list(sealed(trailing)))  # the digest on the last chunk
+    out["wire-trailing-digest-missing"] = wire_input(trailing)  # neither the header nor the last chunk has it
     cut = encode_fragment(values("weights", frag.numel), frag, codec=make_codec("fp32"), kind="contribution",
                           version=3, transfer_id=4, sequence=10, tokens=1, steps=1, max_chunk_bytes=200)
     out["wire-cut-short"] = wire_input(cut[:-1])  # the stream ends before the last chunk

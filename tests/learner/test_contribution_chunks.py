@@ -10,9 +10,9 @@ import tracemalloc
 import pytest
 import torch
 
-from ddiloco.fragments.chunking import Reassembler
+from ddiloco.fragments.chunking import Reassembler, digest, sealed
 from ddiloco.fragments.partition import partition_tensors
-from ddiloco.fragments.payload import decode_fragment
+from ddiloco.fragments.payload import decode_fragment, encode_fragment
 from ddiloco.learner.comm import Comm
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
@@ -62,6 +62,26 @@ def test_a_contribution_is_cut_into_views_of_its_payload_and_framed_as_each_is_w
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16_zstd"])
+def test_for_a_synchronizer_that_reads_a_trailing_digest_the_chunks_are_hashed_as_they_are_written(codec):
+    link, layout, values = _link(codec, 100_000)
+    out = Outgoing(0, 1, 0, tokens=10, steps=1, learner_step=1, delta=values)
+    cut = link._chunks(out, transfer_id=3, trailing_digest=True)
+    assert cut[0].header is not None and cut[0].header.digest == b"" and len(cut) > 1
+    assert all(c.digest == b"" for c in cut), "nothing is hashed before the chunks are written"
+    written = list(sealed(cut))  # what the stream writes
+    assert written[-1].digest == digest(out.payload) and all(c.digest == b"" for c in written[:-1])
+    reassembler, transfer = Reassembler(max_chunk_bytes=CHUNK), None
+    for c in written:
+        transfer = reassembler.feed(wire.learner_message_from_pb(
+            wire.parse_learner_message(wire.serialize_learner_message(c))))
+    assert transfer is not None and transfer.header.digest == b""
+    assert torch.equal(decode_fragment(transfer, layout), link.codec.decode(out.payload, values.numel()))
+    with pytest.raises(ValueError, match="trailing digest"):  # framing every chunk first cannot hash as written
+        encode_fragment(values, layout[0], codec=link.codec, kind="contribution", version=0, transfer_id=1,
+                        frame=wire.frame_chunks, trailing_digest=True)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16_zstd"])
 def test_sending_a_contribution_holds_its_payload_and_one_message_at_a_time(codec):
     link, _, values = _link(codec, 2_000_000)  # 8 MB of fp32, 123 chunks
     out = Outgoing(0, 1, 0, tokens=10, steps=1, learner_step=1, delta=values)
@@ -85,8 +105,11 @@ def test_sending_a_contribution_holds_its_payload_and_one_message_at_a_time(code
 @pytest.mark.parametrize("comm", ["thread", "process"])
 def test_fp32_contributions_sent_from_the_values_they_lend_all_arrive_intact(tmp_path, comm):
     # A real synchronizer and a loop with fp32 contributions: each payload is the outer gradient
-    # itself (in process mode, its shared-memory slot), read when each chunk is written. Had the
-    # values changed before their last chunk went, the payload digest would refuse the transfer.
+    # itself (in process mode, its shared-memory slot), read when each chunk is written, and all of
+    # them arrive and merge. This synchronizer reads a trailing digest, hashed as the chunks are
+    # written, so values changed during a send would go out with a digest that matches them: that
+    # nothing changes them until they are answered is shown in test_claimed_slots (each slot holds
+    # exactly its outer gradient while the synchronizer is stopped).
     with fleet(tmp_path, comm=comm, codec="fp32") as (_, sync, model, opt, log):
         _train(sync, model, opt, steps=30, seed=3)
         events = _events(log)

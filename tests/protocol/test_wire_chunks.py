@@ -43,7 +43,8 @@ _TO_PB = {"learner": wire.learner_message_to_pb, "synchronizer": wire.synchroniz
 chunks = st.builds(
     Chunk, transfer_id=st.integers(0, 2**64 - 1), index=st.integers(0, 2**32 - 1),
     data=st.binary(max_size=300) | st.binary(min_size=1, max_size=300).map(lambda b: memoryview(b)[1:]),
-    crc32c=st.integers(0, 2**32 - 1), header=st.none() | st.just(HEADER))
+    crc32c=st.integers(0, 2**32 - 1), header=st.none() | st.just(HEADER),
+    digest=st.just(b"") | st.binary(min_size=16, max_size=16))  # a trailing digest, on a transfer's last chunk
 
 
 def _outcome(convert: Any, parse: Any, raw: bytes) -> tuple[str, Any]:
@@ -207,8 +208,8 @@ def test_only_messages_of_at_most_16_fields_are_scanned() -> None:
 @given(chunk=chunks)
 def test_a_framed_chunk_is_written_as_the_same_bytes_without_another_copy(chunk: Chunk) -> None:
     framed = wire.frame_chunks([chunk])[0]
-    assert (framed.transfer_id, framed.index, bytes(framed.data), framed.crc32c, framed.header) == (
-        chunk.transfer_id, chunk.index, bytes(chunk.data), chunk.crc32c, chunk.header)
+    assert (framed.transfer_id, framed.index, bytes(framed.data), framed.crc32c, framed.header, framed.digest) == (
+        chunk.transfer_id, chunk.index, bytes(chunk.data), chunk.crc32c, chunk.header, chunk.digest)
     for kind, (serialize, _, _, _) in KINDS.items():
         raw = serialize(framed)
         assert raw == serialize(chunk), kind
@@ -218,7 +219,8 @@ def test_a_framed_chunk_is_written_as_the_same_bytes_without_another_copy(chunk:
 
 def test_a_framed_chunk_changed_afterwards_is_written_anew() -> None:
     chunk = wire.frame_chunks(split(HEADER, bytes(range(200)), transfer_id=5, max_chunk_bytes=64))[0]
-    changes = {"data": b"other data", "crc32c": 77, "transfer_id": 6, "index": 1, "header": None}
+    changes = {"data": b"other data", "crc32c": 77, "transfer_id": 6, "index": 1, "header": None,
+               "digest": b"d" * 16}
     for field, value in changes.items():
         changed = dataclasses.replace(chunk, **{field: value})
         assert changed.framed() is None, field

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddiloco.algorithm.policies import QuorumPolicy
-from ddiloco.fragments.chunking import Chunk, crc32c
+from ddiloco.fragments.chunking import Chunk, crc32c, sealed
 from ddiloco.fragments.partition import TensorSpec
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import StreamClosed
@@ -136,12 +136,28 @@ def _oversized(chunks: list[Chunk]) -> list[Chunk]:
     return [chunks[0], dataclasses.replace(chunks[1], data=big, crc32c=crc32c(big))]
 
 
+def _trailing_wrong(chunks: list[Chunk]) -> list[Chunk]:
+    return [*chunks[:-1], dataclasses.replace(chunks[-1], digest=bytes(16), frame=None)]
+
+
+def _trailing_missing(chunks: list[Chunk]) -> list[Chunk]:
+    return [*chunks[:-1], dataclasses.replace(chunks[-1], digest=b"", frame=None)]
+
+
+def _trailing_misplaced(chunks: list[Chunk]) -> list[Chunk]:
+    return [chunks[0], dataclasses.replace(chunks[1], digest=chunks[-1].digest, frame=None)]  # ends at the fault
+
+
 FRAMING_CASES = {
     "checksum": (_corrupt, grpc.StatusCode.DATA_LOSS),
     "missing_header": (_missing_header, grpc.StatusCode.INVALID_ARGUMENT),
     "reordered": (_reordered, grpc.StatusCode.INVALID_ARGUMENT),
     "duplicated": (_duplicated, grpc.StatusCode.INVALID_ARGUMENT),
     "oversized": (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # a trailing digest (the header leaves it to the last chunk): another one, none, or on another chunk
+    "trailing_checksum": (_trailing_wrong, grpc.StatusCode.DATA_LOSS),
+    "trailing_missing": (_trailing_missing, grpc.StatusCode.INVALID_ARGUMENT),
+    "trailing_misplaced": (_trailing_misplaced, grpc.StatusCode.INVALID_ARGUMENT),
 }
 
 
@@ -158,12 +174,17 @@ async def test_framing_fault_ends_only_that_stream(cfg, case):
         from ddiloco.fragments.payload import encode_fragment
 
         # small chunks so the transfer has several
+        trailing = case.startswith("trailing")
         chunks = encode_fragment(torch.full((n,), 0.01), a.layout[1], codec=a.codec, kind="contribution",
                                  version=0, transfer_id=99, layout_hash=a.layout.fingerprint, sequence=42,
-                                 tokens=100, steps=4, max_chunk_bytes=64)
+                                 tokens=100, steps=4, max_chunk_bytes=64, trailing_digest=trailing)
         assert len(chunks) >= 4
         with contextlib.suppress(StreamClosed):
-            await b.stream.send_transfer(mangle(chunks))
+            if trailing:  # sealed as a learner's stream seals them, then damaged and written as they are
+                for chunk in mangle(list(sealed(chunks))):
+                    await b.stream.send_raw(chunk)
+            else:
+                await b.stream.send_transfer(mangle(chunks))
         await eventually(lambda: b.closed is not None, what="offending stream closed")
         assert isinstance(b.closed, StreamClosed) and b.closed.code == code, b.closed
         assert b.closed.details
@@ -181,8 +202,8 @@ async def test_framing_fault_ends_only_that_stream(cfg, case):
         if case != "missing_header":
             await eventually(lambda: (b.result_for(42) or b2.result_for(42)) is not None, what="result of 42")
             r = b.result_for(42) or b2.result_for(42)
-            assert r.outcome == "rejected" and r.reason == {"checksum": "checksum", "oversized": "oversized"}.get(
-                case, "protocol"), r
+            assert r.outcome == "rejected" and r.reason == {"checksum": "checksum", "oversized": "oversized",
+                                                            "trailing_checksum": "checksum"}.get(case, "protocol"), r
         for lr in (a, b, b2):
             await lr.close()
 

@@ -3,10 +3,11 @@ against raw TCP on loopback, measured in the same run.
 
 What is timed is the protocol's own path, not a toy: the fragment is sent as a learner sends a
 contribution (its payload from ``codec.lend_or_encode``: fp32 values lend their own memory, other
-codecs encode; cut into chunks by ``encode_fragment``: header,
-payload digest, with ``digest_only`` peers no CRC-32C per chunk; each chunk copied into its wire
-message as it is written, or with ``--framing eager`` every chunk before the first is written, as
-learners did before), serialized and parsed by ``ddiloco.protocol.wire`` (chunk data is never
+codecs encode; cut into chunks by ``encode_fragment``, with ``digest_only`` peers no CRC-32C per
+chunk; each chunk hashed and copied into its wire message as it is written, the payload digest on
+the last chunk, as a learner sends to a synchronizer of this version; or with ``--framing eager``
+every chunk framed before the first is written, the digest in the header, as learners did before
+and as a synchronizer frames a global version), serialized and parsed by ``ddiloco.protocol.wire`` (chunk data is never
 copied into or out of a protobuf message), sent on a ``Sync`` bidirectional stream of a ``grpc.aio``
 server with the synchronizer's channel options, reassembled and verified there
 (``Reassembler(relay=True)``: order, sizes and the digest, chunk by chunk; a relay does not read the
@@ -56,7 +57,7 @@ from typing import Any
 import grpc
 import torch
 
-from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer
+from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer, sealed
 from ddiloco.fragments.codec import lend_or_encode, make_codec
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
@@ -217,7 +218,7 @@ async def _grpc_round_trips(port: int, make_chunks: Callable[[], list[Any]], fin
             call = stub.Sync()
 
             async def send(call: Any = call, chunks: list[Any] = chunks) -> None:
-                for c in chunks:
+                for c in sealed(chunks):  # as a learner's stream writes them (a trailing digest)
                     await call.write(c)
                 await call.done_writing()
 
@@ -290,11 +291,14 @@ def grpc_case(values: torch.Tensor, layout: FragmentLayout, codec_name: str, max
 
     def make_chunks() -> list[Any]:
         # a learner's contribution: its payload (kept for a resend; fp32 values lent), cut into
-        # chunks (digest in the header), each copied into its message when written, or all first
+        # chunks, each hashed and copied into its message when written (the digest on the last
+        # one, as a learner sends to a synchronizer of this version), or all framed first with the
+        # digest in the header (the path of a global version)
+        eager = framing == "eager"
         chunks = encode_fragment(values, frag, codec=codec, kind="contribution", version=0, transfer_id=1,
                                  sequence=1, tokens=1, steps=1, max_chunk_bytes=max_chunk_bytes,
                                  payload=lend_or_encode(codec, values),
-                                 frame=wire.frame_chunks if framing == "eager" else None)
+                                 frame=wire.frame_chunks if eager else None, trailing_digest=not eager)
         sizes.append(sum(len(c.data) for c in chunks))
         return chunks
 

@@ -11,6 +11,12 @@ of their bytes, for receivers of older versions that check every chunk: ``split`
 (0) and ``Chunk.with_crc32c`` fills it in for a peer that did not say it checks by digest alone
 (``digest_only`` on the wire). This version's ``Reassembler`` does not read it.
 
+The digest may also trail: a header may leave it empty and the transfer's last chunk carry it
+(``split(..., trailing=True)``, then ``sealed`` as the chunks are written). The sender then hashes
+each chunk as it writes it, while the chunk is still in its caches, and the first chunk leaves
+before the whole payload was read. Only a receiver that said it reads a trailing digest gets one
+(``trailing_digest`` on the wire); this version's ``Reassembler`` reads either form.
+
 Reassembly is strict and typed: a missing, duplicated, reordered, oversized or corrupt chunk
 raises the matching ``ChunkError`` subclass and the partial transfer is discarded; the caller
 decides whether the stream survives. Nothing half-received is ever handed on.
@@ -19,7 +25,7 @@ decides whether the stream survives. Nothing half-received is ever handed on.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import crc32c as _crc32c
@@ -88,8 +94,8 @@ class Frame:
     built from (``Chunk.framed``): a chunk changed with ``dataclasses.replace`` is serialized anew."""
 
     message: bytes
-    of: tuple[int, int, int, TransferHeader | None, bytes | memoryview]
-    """The chunk's transfer id, index, CRC-32C, header and data object when it was framed."""
+    of: tuple[int, int, int, TransferHeader | None, bytes | memoryview, bytes]
+    """The chunk's transfer id, index, CRC-32C, header, data object and digest when it was framed."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,9 @@ class Chunk:
     header: TransferHeader | None = None
     frame: Frame | None = field(default=None, compare=False, repr=False)
     """The chunk as a wire message, when it was framed when encoded."""
+    digest: bytes = b""
+    """The transfer's payload digest, on the last chunk of a transfer whose header leaves it empty
+    (a trailing digest, see the module's docstring); empty otherwise."""
 
     def with_crc32c(self) -> Chunk:
         """This chunk with its CRC-32C filled in, for a receiver that checks every chunk."""
@@ -112,8 +121,8 @@ class Chunk:
         frame = self.frame
         if frame is None:
             return None
-        transfer_id, index, crc, header, data = frame.of
-        if (transfer_id, index, crc) != (self.transfer_id, self.index, self.crc32c) or (
+        transfer_id, index, crc, header, data, digest = frame.of
+        if (transfer_id, index, crc, digest) != (self.transfer_id, self.index, self.crc32c, self.digest) or (
                 header is not self.header or data is not self.data):
             return None
         return frame.message
@@ -180,21 +189,43 @@ class Transfer:
 
 
 def split(header: TransferHeader, payload: bytes | memoryview, *, transfer_id: int,
-          max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> list[Chunk]:
+          max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, trailing: bool = False) -> list[Chunk]:
     """Cut ``payload`` into chunks; fills the header's size, count and digest fields. The chunks'
-    CRC-32C is left unset (``Chunk.with_crc32c`` adds it where a peer needs it)."""
+    CRC-32C is left unset (``Chunk.with_crc32c`` adds it where a peer needs it). ``trailing``: the
+    header's digest is left empty and nothing is hashed here; ``sealed`` hashes the chunks as they
+    are written and puts the digest on the last one."""
     if max_chunk_bytes < 1:
         raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
     view = memoryview(payload)
     n = len(view)
     count = max(1, -(-n // max_chunk_bytes))
-    full = replace(header, encoded_bytes=n, chunk_count=count, digest=digest(view),
+    full = replace(header, encoded_bytes=n, chunk_count=count, digest=b"" if trailing else digest(view),
                    sent_at_unix=header.sent_at_unix or time.time())
     chunks = []
     for i in range(count):
         part = view[i * max_chunk_bytes:(i + 1) * max_chunk_bytes]
         chunks.append(Chunk(transfer_id, i, part, 0, full if i == 0 else None))
     return chunks
+
+
+def sealed(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+    """The chunks of one transfer, in order, as they are to be written: when its header leaves the
+    digest empty (``split(..., trailing=True)``), each chunk is hashed as it is taken (taken just
+    before it is written, its bytes are still in the caches when they are copied into its message)
+    and the last one comes with the payload's digest. Chunks whose header carries the digest pass
+    unchanged. Every call hashes afresh, so a transfer sent again is sealed again."""
+    hasher, count = None, 0
+    for chunk in chunks:
+        if chunk.index == 0:
+            if chunk.header is None:
+                raise HeaderError(f"first chunk of transfer {chunk.transfer_id} has no header")
+            count = chunk.header.chunk_count
+            hasher = None if chunk.header.digest else xxhash.xxh3_128()
+        if hasher is None:
+            yield chunk
+            continue
+        hasher.update(chunk.data)
+        yield replace(chunk, digest=hasher.digest(), frame=None) if chunk.index == count - 1 else chunk
 
 
 class Reassembler:
@@ -260,6 +291,15 @@ class Reassembler:
                 f"expected chunk {self._next} of transfer {chunk.transfer_id}, got {chunk.index}"))
         header = self._header
         assert header is not None
+        last = self._next + 1 == header.chunk_count
+        if chunk.digest and (header.digest or not last):
+            raise self._fail(HeaderError(
+                f"chunk {chunk.index} of transfer {chunk.transfer_id} carries a digest: only the last chunk of a "
+                "transfer whose header has none may"))
+        if last and not header.digest and len(chunk.digest) != 16:
+            raise self._fail(HeaderError(
+                f"transfer {chunk.transfer_id} has no digest: its header leaves it to the last chunk, which carries "
+                f"{len(chunk.digest)} bytes of one"))
         if self._size + n > header.encoded_bytes:
             raise self._fail(OversizedChunkError(
                 f"transfer {chunk.transfer_id} carries more than its declared {header.encoded_bytes} bytes"))
@@ -278,7 +318,7 @@ class Reassembler:
         if size != header.encoded_bytes:
             raise MissingChunkError(
                 f"transfer {chunk.transfer_id} has {size} of {header.encoded_bytes} declared bytes")
-        if got != header.digest:
+        if got != (header.digest or chunk.digest):
             raise ChecksumError(f"transfer {chunk.transfer_id} fails its payload digest")
         return Transfer(header, payload)
 
@@ -296,8 +336,9 @@ class Reassembler:
                 header.encoded_bytes > header.chunk_count * self.max_chunk_bytes):
             raise self._fail(HeaderError(
                 f"transfer {chunk.transfer_id} declares {header.chunk_count} chunks for {header.encoded_bytes} bytes"))
-        if len(header.digest) != 16:
-            raise self._fail(HeaderError(f"transfer {chunk.transfer_id} has no 16-byte digest"))
+        if len(header.digest) not in (0, 16):  # empty: it trails, on the last chunk
+            raise self._fail(HeaderError(f"transfer {chunk.transfer_id} has a digest of {len(header.digest)} bytes, "
+                                         "not 16"))
         try:
             buf = None if self.relay else np.empty(header.encoded_bytes, dtype=np.uint8)
         except (MemoryError, ValueError) as exc:  # more than this machine can map

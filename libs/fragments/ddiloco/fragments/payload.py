@@ -32,7 +32,8 @@ def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, k
                     steps: int = 0, learner_step: int = 0, round: int = 0, hand_over: bool = False,
                     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                     payload: bytes | memoryview | None = None,
-                    frame: Callable[[list[Chunk]], list[Chunk]] | None = None) -> list[Chunk]:
+                    frame: Callable[[list[Chunk]], list[Chunk]] | None = None,
+                    trailing_digest: bool = False) -> list[Chunk]:
     """Encode ``values`` (flat fp32, the fragment's concatenated tensors) as a chunked transfer.
 
     ``payload`` may be passed when the caller already encoded the values (error feedback does), or
@@ -40,7 +41,12 @@ def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, k
     ``frame`` (``ddiloco.protocol.wire.frame_chunks``) writes the chunks as wire messages before
     this returns; the fp32 codec then reads the values' memory in place, so each byte is copied
     once, into its message, and ``values`` may change as soon as this returns.
+    ``trailing_digest``: the header leaves the payload digest to the last chunk, hashed as the
+    chunks are written (``chunking.sealed``, which the learner's stream applies); it cannot go with
+    ``frame``, which writes every chunk before the first is sent.
     """
+    if trailing_digest and frame is not None:
+        raise ValueError("a trailing digest is computed as the chunks are written; frame them as they are written")
     if values.numel() != fragment.numel:
         raise ShapeMismatchError(
             f"fragment {fragment.index} has {fragment.numel} values, got a buffer of {values.numel()}")
@@ -55,7 +61,7 @@ def encode_fragment(values: torch.Tensor, fragment: Fragment, *, codec: Codec, k
         data = codec.borrow(values)  # copied into the frames below, before this returns
     if data is None:
         data = codec.encode(values)
-    chunks = split(header, data, transfer_id=transfer_id, max_chunk_bytes=max_chunk_bytes)
+    chunks = split(header, data, transfer_id=transfer_id, max_chunk_bytes=max_chunk_bytes, trailing=trailing_digest)
     return frame(chunks) if frame is not None else chunks
 
 

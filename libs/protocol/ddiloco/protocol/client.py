@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer
+from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer, sealed
 from ddiloco.protocol import wire
 from ddiloco.protocol.credentials import Credentials, bearer_metadata
 
@@ -87,6 +87,9 @@ class SyncStream:
         self.peer_digest_only = False
         """Whether the synchronizer said it checks transfers by digest alone (its Welcome): until
         then, and for an older one, every chunk sent carries its CRC-32C."""
+        self.peer_trailing_digest = False
+        """Whether the synchronizer said it reads a digest from a transfer's last chunk (its
+        Welcome): contributions to it are cut with ``trailing=True`` and hashed as written."""
 
     async def open(self, hello: wire.Hello, timeout_s: float = 30.0) -> wire.Welcome:
         self._call = self.stub.Sync(metadata=bearer_metadata(self.token))
@@ -94,7 +97,7 @@ class SyncStream:
         first = await self._read(timeout_s)
         if not isinstance(first, wire.Welcome):
             raise StreamClosed(None, f"expected Welcome, got {type(first).__name__}")
-        self.peer_digest_only = first.digest_only
+        self.peer_digest_only, self.peer_trailing_digest = first.digest_only, first.trailing_digest
         return first
 
     async def _write(self, msg: Any) -> None:
@@ -126,7 +129,7 @@ class SyncStream:
 
     async def send_transfer(self, chunks: list[Chunk]) -> None:
         async with self._transfer_lock:
-            for chunk in chunks:
+            for chunk in sealed(chunks):  # a trailing digest: each chunk hashed as it is written
                 # serialized by the stub without a protobuf copy
                 await self._write(chunk if self.peer_digest_only else chunk.with_crc32c())
                 self.bytes_sent += len(chunk.data)

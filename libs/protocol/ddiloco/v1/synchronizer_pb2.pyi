@@ -158,18 +158,20 @@ class FragmentHeader(_message.Message):
     def __init__(self, kind: _Optional[_Union[PayloadKind, str]] = ..., fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., sequence: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_values: _Optional[int] = ..., encoded_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., digest: _Optional[bytes] = ..., layout_hash: _Optional[str] = ..., learner_step: _Optional[int] = ..., sent_at_unix: _Optional[float] = ..., round: _Optional[int] = ..., hand_over: _Optional[bool] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
-    __slots__ = ("transfer_id", "index", "header", "data", "crc32c")
+    __slots__ = ("transfer_id", "index", "header", "data", "crc32c", "digest")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     index: int
     header: FragmentHeader
     data: bytes
     crc32c: int
-    def __init__(self, transfer_id: _Optional[int] = ..., index: _Optional[int] = ..., header: _Optional[_Union[FragmentHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, transfer_id: _Optional[int] = ..., index: _Optional[int] = ..., header: _Optional[_Union[FragmentHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class ProtocolParams(_message.Message):
     __slots__ = ("num_fragments", "sync_every", "overlap", "max_chunk_bytes", "mode", "global_codec")
@@ -261,7 +263,7 @@ class LearnerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., chunk: _Optional[_Union[FragmentChunk, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("synchronizer_id", "protocol", "versions", "state", "heartbeat_interval_s", "shard_index", "shard_count", "fleet_step", "digest_only")
+    __slots__ = ("synchronizer_id", "protocol", "versions", "state", "heartbeat_interval_s", "shard_index", "shard_count", "fleet_step", "digest_only", "trailing_digest")
     SYNCHRONIZER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +273,7 @@ class Welcome(_message.Message):
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     FLEET_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_DIGEST_FIELD_NUMBER: _ClassVar[int]
     synchronizer_id: str
     protocol: ProtocolParams
     versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
@@ -280,7 +283,8 @@ class Welcome(_message.Message):
     shard_count: int
     fleet_step: int
     digest_only: bool
-    def __init__(self, synchronizer_id: _Optional[str] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., state: _Optional[_Union[StateStatus, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., fleet_step: _Optional[int] = ..., digest_only: _Optional[bool] = ...) -> None: ...
+    trailing_digest: bool
+    def __init__(self, synchronizer_id: _Optional[str] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., state: _Optional[_Union[StateStatus, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., fleet_step: _Optional[int] = ..., digest_only: _Optional[bool] = ..., trailing_digest: _Optional[bool] = ...) -> None: ...
 
 class ContributionResult(_message.Message):
     __slots__ = ("sequence", "fragment_id", "outcome", "version", "reason", "detail", "weight", "staleness")

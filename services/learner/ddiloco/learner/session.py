@@ -374,23 +374,25 @@ class Link:
                 await self._wake.wait()
                 continue
             self._transfer_id += 1
-            # the codec and the digest (off the event loop for a large fragment); each chunk is
-            # copied into its wire message as it is written, so the copy of the next one overlaps
-            # the transport's sending of this one
-            chunks = await off_loop(out.delta.numel(), self._chunks, out, self._transfer_id)
+            # the codec (off the event loop for a large fragment), and the digest unless the
+            # synchronizer reads it from the last chunk; each chunk is hashed then (just before it
+            # is written) and copied into its wire message as it is written, so the copy of the
+            # next one overlaps the transport's sending of this one
+            chunks = await off_loop(out.delta.numel(), self._chunks, out, self._transfer_id, stream.peer_trailing_digest)
             await stream.send_transfer(chunks)
             self.bytes_sent += len(out.payload or b"")
 
-    def _chunks(self, out: Outgoing, transfer_id: int) -> list[Chunk]:
+    def _chunks(self, out: Outgoing, transfer_id: int, trailing_digest: bool = False) -> list[Chunk]:
         """``out`` encoded (once: a resend keeps its payload) and cut into chunks, views of the
-        payload, each framed when it is written (``send_transfer``)."""
+        payload, each framed when it is written (``send_transfer``); ``trailing_digest`` (the
+        synchronizer reads one): hashed as they are written, the digest on the last chunk."""
         if out.payload is None:
             out.payload = self._encode(out)
         return encode_fragment(
             out.delta, self.layout[out.fragment], codec=self.codec, kind="contribution", version=out.base_version,
             transfer_id=transfer_id, layout_hash=self.layout.fingerprint, sequence=out.sequence, tokens=out.tokens,
             steps=out.steps, learner_step=out.learner_step, round=out.round, hand_over=out.hand_over,
-            max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload)
+            max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, payload=out.payload, trailing_digest=trailing_digest)
 
     def _encode(self, out: Outgoing) -> bytes | memoryview:
         if self.feedback is None:  # fp32 values lend their memory: each byte is copied once, as written

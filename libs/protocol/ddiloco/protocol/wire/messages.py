@@ -77,6 +77,10 @@ class Welcome:
     fleet_step: int = 0
     digest_only: bool = True
     """The synchronizer checks received transfers by their payload digest alone (see Hello)."""
+    trailing_digest: bool = True
+    """The synchronizer reads a transfer's digest from its last chunk when the header leaves it
+    empty, so a learner may hash each chunk of a contribution as it writes it; False is what an
+    older synchronizer's Welcome reads as (every header carries the digest)."""
 
 
 @dataclass(frozen=True, kw_only=True)

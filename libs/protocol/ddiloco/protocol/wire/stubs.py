@@ -50,7 +50,7 @@ def _chunk_parts(c: Chunk) -> tuple[list[bytes | memoryview], int, int]:
     if len(data):
         parts += [_DATA_KEY + varint(len(data)), data]
     data_at = sum(len(p) for p in parts) - len(data)
-    parts.append(pb.FragmentChunk(crc32c=c.crc32c).SerializeToString())
+    parts.append(pb.FragmentChunk(crc32c=c.crc32c, digest=c.digest).SerializeToString())
     return parts, sum(len(p) for p in parts), data_at
 
 
@@ -86,7 +86,7 @@ def frame_chunks(chunks: list[Chunk]) -> list[Chunk]:
         start, n = len(head) + data_at, len(parts[2]) if len(parts) == 4 else 0
         data = memoryview(message)[start:start + n]
         out.append(Chunk(c.transfer_id, c.index, data, c.crc32c, c.header,
-                         Frame(message, (c.transfer_id, c.index, c.crc32c, c.header, data))))
+                         Frame(message, (c.transfer_id, c.index, c.crc32c, c.header, data, c.digest)), c.digest))
     return out
 
 
