@@ -21,6 +21,9 @@ from ddiloco.fragments.chunking import Transfer
 from ddiloco.fragments.codec import make_codec
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.payload import decode_fragment, encode_fragment
+from ddiloco.learner.comm import Comm
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.events import EventLog
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import SyncStream, message_limit, open_channel
 from ddiloco.protocol.config import ProtocolConfig
@@ -66,6 +69,18 @@ async def running_server(cfg: SynchronizerConfig) -> AsyncIterator[SynchronizerS
         await server.stop(grace=0.5)
 
 
+def older_welcome(monkeypatch, server: SynchronizerServer, **fields) -> None:  # type: ignore[no-untyped-def]
+    """From now on every Welcome ``server`` sends has ``fields`` replaced: a synchronizer of an
+    earlier contract, whose welcome leaves them unset (``digest_only=False``...)."""
+    real_hello = server.engine.hello
+
+    def hello(message):  # type: ignore[no-untyped-def]
+        record, welcome = real_hello(message)
+        return record, dataclasses.replace(welcome, **fields)
+
+    monkeypatch.setattr(server.engine, "hello", hello)
+
+
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
     """Wait until ``predicate()`` holds, polling; fail with ``what`` after the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -73,6 +88,25 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0, wha
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+async def seed_genesis(server: SynchronizerServer) -> ProtocolConfig:
+    """Genesis uploaded by a scripted learner ``seed`` that then leaves: the server is ready and no
+    learner is on it. Returns the protocol the seed spoke."""
+    seed = ScriptedLearner(server.port, "seed")
+    await seed.connect()
+    await seed.upload_genesis()
+    await eventually(lambda: server.engine.ready, what="genesis commit")
+    await seed.close("seeded")
+    return seed.protocol
+
+
+def learner_comm(server: SynchronizerServer, protocol: ProtocolConfig, events: EventLog, learner_id: str = "b",
+                 **settings) -> Comm:
+    """The learner's communication (thread mode, not started) for ``toy_params`` on ``server``."""
+    cfg = LearnerConfig(synchronizer=f"127.0.0.1:{server.port}", learner_id=learner_id, protocol=protocol, **settings)
+    return Comm(cfg, layout=partition_tensors(toy_params(), protocol.num_fragments), model_fingerprint=MODEL_FINGERPRINT,
+                incarnation=events.bound["incarnation"], events=events, held=lambda: {}, genesis_values=lambda: {})
 
 
 async def genesis_learner(server: SynchronizerServer, learner_id: str = "a", *, pump: bool = True,

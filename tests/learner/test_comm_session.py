@@ -5,17 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from ddiloco.fragments.partition import partition_tensors
-from ddiloco.learner.comm import Comm
-from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
 from tests.scripted import (
-    MODEL_FINGERPRINT,
-    ScriptedLearner,
     eventually,
+    learner_comm,
     running_server,
+    seed_genesis,
     sync_config,
-    toy_params,
 )
 
 
@@ -24,20 +20,11 @@ async def test_stop_says_goodbye_even_with_heartbeats_in_flight(tmp_path):
     # is interrupted), the goodbye never arrived and the close raised "RPC already finished".
     cfg = dataclasses.replace(sync_config(tmp_path), heartbeat_interval_s=0.01)
     async with running_server(cfg) as server:
-        seed = ScriptedLearner(server.port, "a")
-        await seed.connect()
-        await seed.upload_genesis()
-        await eventually(lambda: server.engine.ready, what="genesis commit")
-        await seed.close("seeded")
-
-        params = toy_params()
-        learner_cfg = LearnerConfig(synchronizer=f"127.0.0.1:{server.port}", learner_id="b", protocol=seed.protocol)
+        protocol = await seed_genesis(server)
         seen: list[str] = []
         events = EventLog(None, learner_id="b", incarnation=7)
         events.observers.append(lambda name, fields: seen.append(name))
-        comm = Comm(learner_cfg, layout=partition_tensors(params, seed.protocol.num_fragments),
-                    model_fingerprint=MODEL_FINGERPRINT, incarnation=7, events=events,
-                    held=lambda: {}, genesis_values=lambda: {})
+        comm = learner_comm(server, protocol, events)
         comm.start()
         try:
             await eventually(lambda: "b" in server.engine.membership.learners

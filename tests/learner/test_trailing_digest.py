@@ -17,19 +17,16 @@ import torch
 
 from ddiloco.fragments.chunking import Chunk, Reassembler, Transfer
 from ddiloco.fragments.errors import HeaderError
-from ddiloco.fragments.partition import partition_tensors
-from ddiloco.learner.comm import Comm
-from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.events import EventLog
 from ddiloco.learner.mailbox import Outgoing
 from ddiloco.synchronizer import server as server_module
 from tests.scripted import (
-    MODEL_FINGERPRINT,
-    ScriptedLearner,
     eventually,
+    learner_comm,
+    older_welcome,
     running_server,
+    seed_genesis,
     sync_config,
-    toy_params,
 )
 
 
@@ -52,35 +49,19 @@ async def test_a_learners_contributions_carry_their_digest_where_the_synchronize
     monkeypatch.setattr(server_module, "Reassembler", Receiver)
     async with running_server(sync_config(tmp_path)) as server:
         if older:
-            real_hello = server.engine.hello
-
-            def older_hello(hello):  # type: ignore[no-untyped-def]
-                record, welcome = real_hello(hello)
-                return record, dataclasses.replace(welcome, trailing_digest=False)
-
-            monkeypatch.setattr(server.engine, "hello", older_hello)
-        seed = ScriptedLearner(server.port, "seed")
-        await seed.connect()
-        await seed.upload_genesis()
-        await eventually(lambda: server.engine.ready, what="genesis commit")
-        await seed.close("seeded")
-
-        params = toy_params()
-        cfg = LearnerConfig(synchronizer=f"127.0.0.1:{server.port}", learner_id="b", protocol=seed.protocol)
+            older_welcome(monkeypatch, server, trailing_digest=False)
+        protocol = await seed_genesis(server)
         events: list[tuple[str, dict]] = []
         log = EventLog(None, learner_id="b", incarnation=7)
         log.observers.append(lambda name, fields: events.append((name, fields)))
-        layout = partition_tensors(params, seed.protocol.num_fragments)
-        comm = Comm(cfg, layout=layout,
-                    model_fingerprint=MODEL_FINGERPRINT, incarnation=7, events=log,
-                    held=lambda: {}, genesis_values=lambda: {})
+        comm = learner_comm(server, protocol, log)
         comm.stats.step, comm.stats.step_time_s = 2, 0.1  # a pace, as a training loop reports one
         comm.start()
         try:
             assert await asyncio.to_thread(comm.join.wait, 30), "the learner did not join"
             version = server.engine.fragments[0].version
             comm.submit(Outgoing(0, 1, version, tokens=100, steps=2, learner_step=2,
-                                 delta=torch.full((layout[0].numel,), 0.01)))
+                                 delta=torch.full((comm.lanes[0].link.layout[0].numel,), 0.01)))
             await eventually(lambda: any(name == "result" for name, _ in events), timeout_s=30,
                              what="the contribution's result")
         finally:

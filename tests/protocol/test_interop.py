@@ -26,7 +26,14 @@ from ddiloco.fragments.errors import ChecksumError, HeaderError
 from ddiloco.protocol import wire
 from ddiloco.protocol.client import StreamClosed
 from ddiloco.synchronizer import server as server_module
-from tests.scripted import ScriptedLearner, eventually, genesis_learner, running_server, sync_config
+from tests.scripted import (
+    ScriptedLearner,
+    eventually,
+    genesis_learner,
+    older_welcome,
+    running_server,
+    sync_config,
+)
 
 
 class _StrictReassembler(Reassembler):
@@ -125,13 +132,7 @@ async def test_a_learner_sends_crcs_to_an_older_synchronizer(tmp_path, monkeypat
     contribution. Without the CRCs the same synchronizer ends the stream (the control)."""
     monkeypatch.setattr(server_module, "Reassembler", strict)
     async with running_server(sync_config(tmp_path)) as server:
-        real_hello = server.engine.hello
-
-        def older_hello(hello):
-            record, welcome = real_hello(hello)
-            return record, dataclasses.replace(welcome, digest_only=False)
-
-        monkeypatch.setattr(server.engine, "hello", older_hello)
+        older_welcome(monkeypatch, server, digest_only=False)
         learner = await genesis_learner(server, "a")
         assert learner.welcome is not None and not learner.welcome.digest_only
         assert not learner.stream.peer_digest_only
@@ -186,13 +187,7 @@ async def test_a_learner_puts_the_digest_in_the_header_for_a_synchronizer_that_r
         transfers = 0
     monkeypatch.setattr(server_module, "Reassembler", Previous)
     async with running_server(sync_config(tmp_path)) as server:
-        real_hello = server.engine.hello
-
-        def older_hello(hello):
-            record, welcome = real_hello(hello)
-            return record, dataclasses.replace(welcome, trailing_digest=False)
-
-        monkeypatch.setattr(server.engine, "hello", older_hello)
+        older_welcome(monkeypatch, server, trailing_digest=False)
         learner = await genesis_learner(server, "a")
         assert learner.welcome is not None and not learner.welcome.trailing_digest
         assert not learner.stream.peer_trailing_digest
