@@ -11,9 +11,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ddiloco.core.resources import available_cpus, with_huge_pages
 from ddiloco.lab.bench import learner as learner_bench
+from ddiloco.training.model import ModelConfig, build_model
 from tests.procs import children_of, cmdline, run_tree
 
 
@@ -52,6 +54,53 @@ def test_tiny_run_reports_overhead_and_phases(tmp_path):
     assert printed["huge_pages"] == "on"
     assert printed["glibc_tunables"] == with_huge_pages(os.environ)["GLIBC_TUNABLES"]
     assert printed["huge_pages_in_effect"] == (printed["transparent_hugepage"] in {"always", "madvise"})
+
+
+def test_floor_phase_runs_between_off_and_on(tmp_path):
+    """--floor: every repeat runs off, local (the boundary's own arithmetic alone), on; the floor's
+    overhead and its time per step are reported against the same run's off phases."""
+    out = tmp_path / "learner.json"
+    proc = _bench("--json", "--out", str(out), "--floor", "--d-model", "32", "--n-layer", "2", "--context", "32",
+                  "--batch-size", "4", "--steps", "12", "--warmup", "2", "--repeats", "2", "--fragments", "4",
+                  "--sync-every", "4", "--overlap", "1", "--threads", "1", "--min-step-ms", "25")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout)
+    rows = printed["results"]
+    assert [(r["sync"], r["repeat"]) for r in rows] == [("off", 0), ("local", 0), ("on", 0),
+                                                         ("off", 1), ("local", 1), ("on", 1)]
+    floor = printed["floor"]
+    local = sorted(r["steps_per_s"] for r in rows if r["sync"] == "local")
+    assert floor["steps_per_s"] == pytest.approx(sum(local) / 2)  # the median of two
+    assert floor["overhead"] == pytest.approx(1 - floor["steps_per_s"] / printed["steps_per_s_off"])
+    assert floor["pair_overheads"] == pytest.approx([1 - rows[i + 1]["steps_per_s"] / rows[i]["steps_per_s"]
+                                                     for i in (0, 3)])
+    assert printed["pair_overheads"] == pytest.approx([1 - rows[i + 2]["steps_per_s"] / rows[i]["steps_per_s"]
+                                                       for i in (0, 3)])  # on against off, as without --floor
+    assert floor["boundary_ms"] > 0 and all(r["boundary_ms_per_step"] > 0 for r in rows if r["sync"] == "local")
+    assert "boundary_ms_per_step" not in rows[0] and "boundary_ms_per_step" not in rows[2]
+    assert floor["boundary_fraction"] == pytest.approx(floor["boundary_ms"] * printed["steps_per_s_off"] / 1e3)
+    assert printed["step_ms"] >= 25 and floor["step_ms"] >= 25
+
+
+def test_local_boundary_computes_a_boundary_and_leaves_training_as_it_was():
+    """The floor's boundary: one outer gradient per due fragment, one apply per merge due (the
+    next boundary, where merges apply on arrival), and the parameters where training put them."""
+    model = build_model(ModelConfig(d_model=32, n_layer=2, n_head=4, context=32), seed=0)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    boundary = learner_bench.LocalBoundary(model, {"num_fragments": 4, "sync_every": 4, "overlap": 1})
+    for _ in range(12):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.01)  # an inner step's update
+        boundary.step(100)
+    timings = boundary.local.timings
+    assert timings["outer_gradient"][0] == 12  # fragment step % 4 at every step
+    assert timings["apply"][0] == 11  # each send's merge at the next boundary; the last one's is not due yet
+    assert boundary.seconds > 0
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), start[name] + 0.12, rtol=0, atol=1e-5)
+    versions = boundary.local.versions
+    assert sum(versions.values()) == 11 and set(versions) == {0, 1, 2, 3}
 
 
 def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys, monkeypatch):

@@ -33,6 +33,12 @@ machine's CPUs take from each other: before the repeats, ``--pin`` times inner s
 other CPUs idle, busy (a Python loop on each), and idle again, and reports the slowdown
 (``pinning.neighbour``), which no change to the learner would remove.
 
+``--floor`` adds a third phase to every repeat, between off and on: the step boundary's own
+arithmetic on the training thread and nothing else (``LocalBoundary``: the learner's
+``LocalFragments`` driven as ``DecoupledSync`` drives them, with no communication, no events and
+no synchronizer). Its overhead is the floor of any learner whose boundary runs on the training
+thread, whatever carries the fragments: what ``on`` adds beyond it is the communication's.
+
 ``--min-step-ms`` gives every inner step a floor, with synchronisation and without it alike (the
 step sleeps out the rest, as ``learner.min_step_s`` does): the overhead at a step time this
 machine's model does not have (a larger model's, a GPU's), and a pace that does not depend on
@@ -73,6 +79,8 @@ from ddiloco.lab.bench import (
 from ddiloco.lab.procs import exit_on_sigterm, stop_processes
 
 GOAL = 0.02
+ORDER = ("off", "local", "on")
+"""The phases of a repeat, in the order they run (local: ``--floor``)."""
 SYNC_PHASES = ("gather", "outer_gradient", "handoff", "apply")
 COMM_PHASES = ("encode", "decode")
 
@@ -213,6 +221,8 @@ class Phase:
     def __init__(self, kind: str, repeat: int, steps: int, sync_pid: int, comm_pid: int | None = None) -> None:
         self.kind, self.repeat, self.steps, self.sync_pid, self.comm_pid = kind, repeat, steps, sync_pid, comm_pid
         self.seconds = self.cpu_s = self.sync_cpu_s = 0.0
+        self.boundary_s = 0.0
+        """A local phase (``--floor``): the seconds spent in ``LocalBoundary.step``."""
 
     def _cpu(self) -> float:
         """This process's CPU seconds, and its communication process's (``--comm process``)."""
@@ -236,7 +246,56 @@ class Phase:
         return {"sync": self.kind, "repeat": self.repeat, "steps": self.steps, "seconds": self.seconds,
                 "steps_per_s": self.steps_per_s, "step_ms": 1e3 * self.seconds / self.steps,
                 "learner_cpu_ms_per_step": 1e3 * self.cpu_s / self.steps,
-                "synchronizer_cpu_ms_per_step": 1e3 * self.sync_cpu_s / self.steps}
+                "synchronizer_cpu_ms_per_step": 1e3 * self.sync_cpu_s / self.steps,
+                **({"boundary_ms_per_step": 1e3 * self.boundary_s / self.steps} if self.kind == "local" else {})}
+
+
+class LocalBoundary:
+    """What a step boundary computes on the training thread, alone: the learner's own
+    ``LocalFragments`` (``ddiloco.learner.local``) driven as ``DecoupledSync.step()`` drives them.
+    Every step its counters; at each fragment's due step its outer gradient, computed into a
+    buffer (a shared-memory slot in process mode); and at the boundary its merge is due at (after
+    ``overlap`` steps, or the next one where merges apply on arrival), a merged fragment copied
+    (as out of a return slot) and applied by the learner's policy. The "merged" values are the
+    values the fragment was sent at, so training goes on as without synchronisation. No
+    communication, no events, no metrics, no synchronizer: the part of ``step()`` that no way of
+    carrying fragments removes. ``seconds`` adds up the time spent here."""
+
+    def __init__(self, model: torch.nn.Module, protocol: dict[str, Any]) -> None:
+        from ddiloco.fragments.partition import partition_tensors
+        from ddiloco.fragments.schedule import FragmentSchedule
+        from ddiloco.learner.local import LocalFragments
+        from ddiloco.learner.settings import sync_config
+
+        cfg = sync_config({"protocol": protocol})
+        p = cfg.protocol
+        params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        self.layout = partition_tensors(list(params.items()), p.num_fragments)
+        self.schedule = FragmentSchedule(num_fragments=p.num_fragments, sync_every=p.sync_every, overlap=p.overlap)
+        self.on_arrival = cfg.applies_on_arrival
+        self.keep_values = cfg.apply_policy == "replay"
+        self.local = LocalFragments(params, self.layout, apply_policy=cfg.apply_policy, mix_alpha=cfg.mix_alpha)
+        self.local.join({}, 0)
+        biggest = max(f.numel for f in self.layout)
+        self.slot = torch.empty(biggest)
+        self.step_count = 0
+        self.seconds = 0.0
+
+    def step(self, tokens: int) -> None:
+        t0 = time.perf_counter()
+        self.step_count += 1
+        step, local = self.step_count, self.local
+        local.trained(tokens)
+        for p in self.schedule.due(step):
+            current, delta = local.contribution(p, self.slot[:self.layout[p].numel])
+            if delta is not None:
+                local[p].send(step, current, keep_values=self.keep_values)
+        for p, frag in local.state.items():
+            sent = frag.sent
+            if sent is not None and frag.due(step + 1, self.schedule, resync=False, on_arrival=self.on_arrival):
+                values = (sent.values if sent.values is not None else frag.base).clone()  # as out of a return slot
+                local.apply(p, values, frag.version + 1, step + 1, resync=False)
+        self.seconds += time.perf_counter() - t0
 
 
 def _torch_threads(args: argparse.Namespace) -> int:
@@ -303,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="learner.comm: the communication in a thread of this process, or in a process of its "
                         "own (its CPU is counted as this learner's)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the CPUs this process may use)")
+    parser.add_argument("--floor", action="store_true",
+                        help="a third phase per repeat: the step boundary's own arithmetic on the training thread "
+                        "alone (no communication, no synchronizer), the floor of the overhead")
     parser.add_argument("--min-step-ms", type=float, default=0.0,
                         help="every inner step, with synchronisation and without, takes at least this long (it "
                         "sleeps out the rest): the overhead at a longer step time, a pace independent of the "
@@ -359,6 +421,8 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         return loss
 
     phases: list[Phase] = []
+    floors: list[Phase] = []
+    """--floor: each repeat's phase of the boundary's own arithmetic alone (``LocalBoundary``)."""
     timings: dict[str, list[float]] = {}
     comm_times: dict[str, list[float]] = {"encode": [], "decode": []}
     sends = applies = 0
@@ -400,6 +464,20 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
             phases.append(off_phase)
             if not quiet:
                 print(f"  repeat {repeat} off: {phases[-1].steps_per_s:.2f} steps/s", flush=True)
+            if args.floor:
+                boundary = LocalBoundary(model, protocol)
+                for _ in range(args.warmup):
+                    inner_step()
+                    boundary.step(tokens)
+                spent = boundary.seconds
+                with Phase("local", repeat, args.steps, sync_pid) as local_phase:
+                    for _ in range(args.steps):
+                        inner_step()
+                        boundary.step(tokens)
+                local_phase.boundary_s = boundary.seconds - spent
+                floors.append(local_phase)
+                if not quiet:
+                    print(f"  repeat {repeat} local: {local_phase.steps_per_s:.2f} steps/s", flush=True)
 
             sync = DecoupledSync(model, optimizer=loop.optimizer, config={"protocol": protocol},
                                  synchronizer=cluster.target, learner_id=f"bench-{repeat}",
@@ -457,6 +535,18 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
     def cpu_ms(kind: str, attr: str) -> float:
         return statistics.median(1e3 * getattr(p, attr) / p.steps for p in phases if p.kind == kind)
     sync_step_ms = 1e3 * timings.get("step", [0, 0.0])[1] / max(1, timed_steps)
+    ordered = sorted(phases + floors, key=lambda p: (p.repeat, ORDER.index(p.kind)))
+    floor: dict[str, Any] | None = None
+    if floors:
+        local = statistics.median(p.steps_per_s for p in floors)
+        boundary_ms = 1e3 * sum(p.boundary_s for p in floors) / sum(p.steps for p in floors)
+        floor = {"steps_per_s": local, "step_ms": 1e3 / local, "overhead": 1.0 - local / off,
+                 "pair_overheads": [1.0 - f.steps_per_s / o.steps_per_s
+                                    for o, f in zip(phases[0::2], floors, strict=True)],
+                 "boundary_ms": boundary_ms, "boundary_fraction": boundary_ms * off / 1e3,
+                 "means": "the local phases (--floor): the step boundary's own arithmetic on the training "
+                          "thread alone; overhead = 1 - median local steps/s / median off steps/s, pair "
+                          "overheads against each repeat's off phase, boundary_ms the time in it per step"}
     result = {
         "benchmark": "learner", "machine": platform.machine(), "torch": torch.__version__, "threads": threads,
         "model": {"d_model": model_cfg.d_model, "n_layer": model_cfg.n_layer, "n_head": model_cfg.n_head,
@@ -484,18 +574,23 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                                "(slow drifts of the machine cancel within a pair)",
         "huge_pages": args.huge_pages, **memory_environment(),
         "pinning": pinning and {**pinning, "observed": {k: sorted(v) for k, v in pinning["observed"].items()}},
-        "results": [p.row() for p in phases],
+        "floor": floor,
+        "results": [p.row() for p in ordered],
     }
     out = save_result(result, args.out)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{'sync':>5} {'repeat':>6} {'steps/s':>9} {'ms/step':>8}")
-    for p in phases:
+    for p in ordered:
         print(f"{p.kind:>5} {p.repeat:>6} {p.steps_per_s:>9.2f} {1e3 * p.seconds / p.steps:>8.2f}")
     print(f"median: off {off:.2f} steps/s ({1e3 / off:.2f} ms), on {on:.2f} steps/s ({1e3 / on:.2f} ms); "
           f"overhead {overhead * 100:+.2f}% (goal < {GOAL * 100:.0f}%: {'met' if overhead < GOAL else 'MISSED'})")
     print("per repeat (adjacent off and on): " + ", ".join(f"{o * 100:+.2f}%" for o in result["pair_overheads"]))
+    if floor is not None:
+        print(f"floor (the boundary's arithmetic alone): {floor['steps_per_s']:.2f} steps/s, overhead "
+              f"{floor['overhead'] * 100:+.2f}% (per repeat " + ", ".join(f"{o * 100:+.2f}%" for o in floor["pair_overheads"])
+              + f"); {floor['boundary_ms']:.3f} ms per step ({floor['boundary_fraction'] * 100:.2f}% of an off step)")
     if pinning is not None:
         seen = result["pinning"]["observed"]
         print(f"pinned: training on CPUs {seen['training']}, communication on {seen['communication']}, "
