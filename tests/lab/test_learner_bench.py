@@ -15,6 +15,7 @@ import torch
 
 from ddiloco.core.resources import available_cpus, with_huge_pages
 from ddiloco.lab.bench import learner as learner_bench
+from ddiloco.lab.bench.boundary import LocalBoundary
 from ddiloco.training.model import ModelConfig, build_model
 from tests.procs import children_of, cmdline, run_tree
 
@@ -87,7 +88,7 @@ def test_local_boundary_computes_a_boundary_and_leaves_training_as_it_was():
     next boundary, where merges apply on arrival), and the parameters where training put them."""
     model = build_model(ModelConfig(d_model=32, n_layer=2, n_head=4, context=32), seed=0)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    boundary = learner_bench.LocalBoundary(model, {"num_fragments": 4, "sync_every": 4, "overlap": 1})
+    boundary = LocalBoundary(model, {"num_fragments": 4, "sync_every": 4, "overlap": 1})
     for _ in range(12):
         with torch.no_grad():
             for param in model.parameters():
