@@ -6,6 +6,7 @@ communication process killed before the join turned into a clear error."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -19,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from ddiloco.learner.comm_child import thread_policies
 from ddiloco.learner.comm_process import ProcessComm
 from ddiloco.learner.sync import DecoupledSync, SyncError
 from tests.learner.test_decoupled_sync import PROTOCOL, _events, _mlp, check_hand_overs, fleet
@@ -42,17 +44,6 @@ def _batch_allowed() -> bool:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60).returncode == 0
 
 
-def _policies(pid: int) -> dict[int, int]:
-    """Thread id -> scheduling policy of every thread of ``pid`` (threads that ended meanwhile left out)."""
-    found = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            found[int(tid)] = os.sched_getscheduler(int(tid))
-        except ProcessLookupError:
-            continue
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -69,7 +60,7 @@ def test_a_loop_with_its_communication_in_a_process_joins_merges_heals_and_feeds
         child = sync.comm.pid
         assert child is not None and child in children_of(os.getpid())
         if _batch_allowed():
-            policies = _policies(child)
+            policies = thread_policies(child)
             assert policies and set(policies.values()) == {os.SCHED_BATCH}, \
                 f"every thread of the communication process runs under SCHED_BATCH (never preempting training): {policies}"
         losses = []
@@ -112,6 +103,27 @@ def test_a_loop_with_its_communication_in_a_process_joins_merges_heals_and_feeds
             assert any(p.abs().sum() > 0 for p in other.parameters())
         finally:
             late.close()
+
+
+def test_the_communication_process_runs_torch_on_codec_threads(tmp_path, capfd):
+    """Its torch work on ``codec_threads`` threads (default 1), not one per CPU: a team member that
+    waits for the training thread's CPU would hold every large operation up. It says so as it starts."""
+    for threads in (None, 2):
+        work = tmp_path / str(threads)
+        work.mkdir()
+        settings = {} if threads is None else {"codec_threads": threads}
+        with fleet(work, comm="process", **settings) as (_target, sync, _model, _opt, _log):
+            assert sync.join() == 0
+            child = sync.comm.pid
+            assert sync.finish()
+        started = [json.loads(line) for line in capfd.readouterr().err.splitlines()
+                   if "communication process started" in line]
+        assert len(started) == 1, started
+        assert started[0]["pid"] == child and started[0]["torch_threads"] == (threads or 1)
+        assert started[0]["sched_batch"] == _batch_allowed() and started[0]["rejoin"] is False
+    with pytest.raises(SyncError, match="learner: codec_threads must be >= 1, got 0"):
+        DecoupledSync(_mlp(), synchronizer="127.0.0.1:9", learner_id="x", fragments=3, sync_every=4,
+                      comm="process", codec_threads=0)
 
 
 def test_a_sigkilled_communication_process_is_started_again_and_nothing_is_lost(tmp_path):

@@ -111,9 +111,18 @@ def _child(fd: int, batch: bool = True) -> None:
     except EOFError:
         return
     logs.configure(**spec.log_settings)
+    # Its torch work (error feedback, finiteness checks, the copies into return slots) on
+    # ``codec_threads`` threads, not torch's default of one per CPU. Above torch's grain size
+    # (32Ki values) an operation is split across the team, and a team member that waits for the
+    # training thread's CPU (SCHED_BATCH never preempts it) holds the whole operation up while the
+    # others spin: at 60K-value fragments that made each call take milliseconds and the process
+    # 2.5x dearer in CPU than at 10K-value ones for the same bytes.
+    torch.set_num_threads(max(1, spec.cfg.codec_threads))
+    log = logs.get_logger("ddiloco.learner.comm")
     if not batch:
-        logs.get_logger("ddiloco.learner.comm").warning(
-            "SCHED_BATCH refused: the communication process may preempt training when it wakes")
+        log.warning("SCHED_BATCH refused: the communication process may preempt training when it wakes")
+    log.info("communication process started", pid=os.getpid(), torch_threads=torch.get_num_threads(),
+             sched_batch=batch, rejoin=spec.rejoin)
     outbox = _Outbox(conn)
     events = EventLog(spec.event_log, **spec.bound)  # appended to as training appends to it
 
@@ -256,19 +265,35 @@ def _watch(comm: Any, outbox: _Outbox, stop: threading.Event, rejoined: bool, sh
             last, last_at = key, now
 
 
-def batch_policy() -> bool:
-    """Put every thread of this process (and so every thread it starts later) under
-    ``SCHED_BATCH``: a woken thread of it never preempts a running task, the training thread
-    included, and waits for that task's slice to end; it keeps its fair share of the CPUs.
+def thread_policies(pid: int) -> dict[int, int]:
+    """Thread id -> scheduling policy of every thread of process ``pid``, read back from the kernel
+    (Linux; threads that ended meanwhile are left out, and a process that is gone has none)."""
+    found = {}
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            found[tid] = os.sched_getscheduler(tid)
+        except OSError:  # ProcessLookupError included: a thread that ended meanwhile
+            continue
+    return found
+
+
+def batch_policy(pid: int | None = None) -> bool:
+    """Put every thread of this process (``pid``: of that one), and so every thread it starts
+    later, under ``SCHED_BATCH``: a woken thread of it never preempts a running task, the training
+    thread included, and waits for that task's slice to end; it keeps its fair share of the CPUs.
     (The training process already set the main thread's policy as it started this one; importing
     torch starts threads of its own before this runs.) False where the policy does not exist or
-    is refused: the threads it was refused for keep the normal policy, and the child works on."""
+    is refused: the threads it was refused for keep the normal policy, and the process works on."""
     if not hasattr(os, "SCHED_BATCH"):
         return False
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        tids = [int(t) for t in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
     except OSError:
-        tids = [0]
+        tids = [0 if pid is None else pid]
     for tid in tids:
         try:
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))

@@ -92,7 +92,9 @@ class LearnerConfig:
     zstd_level: int = 1
     """zstd level of the bf16_zstd codec."""
     codec_threads: int = 1
-    """Threads inside the codec (the training loop keeps the rest of the cores)."""
+    """Threads inside the codec (the training loop keeps the rest of the cores); with ``comm:
+    process``, also the communication process's torch threads (its error feedback, finiteness
+    checks and copies)."""
     heartbeat_s: float = 1.0
     """Heartbeat interval (the Welcome may ask for another)."""
     wait_timeout_s: float = 120.0
@@ -134,6 +136,8 @@ class LearnerConfig:
             raise ValueError(f"speed must be in (0, 1], got {self.speed}")
         if not (math.isfinite(self.min_step_s) and 0 <= self.min_step_s <= 60):
             raise ValueError(f"min_step_s must be in [0, 60] seconds, got {self.min_step_s}")
+        if self.codec_threads < 1:
+            raise ValueError(f"codec_threads must be >= 1, got {self.codec_threads}")
         if not 0 <= self.mix_alpha <= 1:
             raise ValueError(f"mix_alpha must be in [0, 1], got {self.mix_alpha}")
         if self.apply_at == "arrival" and preset(self.protocol.mode).learners_wait:
