@@ -51,6 +51,8 @@ def test_tiny_run_reports_overhead_and_phases(tmp_path):
     assert phases["gather"] > 0 and phases["encode"] > 0
     assert [(r["sync"], r["steps"]) for r in printed["results"]] == [("off", 16), ("on", 16)]
     assert (work / "logs" / "synchronizer.log").exists()  # the synchronizer ran, and was stopped
+    policy = printed["synchronizer_policy"]  # its threads as the kernel reports them: the normal policy
+    assert policy["asked"] == "normal" and policy["threads"] > 0 and policy["batch_threads"] == 0
     # measured as the services run: with huge pages (re-run in a child where this environment lacks them)
     assert printed["huge_pages"] == "on"
     assert printed["glibc_tunables"] == with_huge_pages(os.environ)["GLIBC_TUNABLES"]
@@ -147,6 +149,32 @@ def test_pinned_run_keeps_training_and_communication_apart(tmp_path):
     assert not any(os.path.exists(f"/proc/{pid}") for pid in neighbour["pids"])  # ... stopped and reaped
     rows = printed["results"]
     assert printed["pair_overheads"] == [1 - rows[i + 1]["steps_per_s"] / rows[i]["steps_per_s"] for i in (0, 2)]
+
+
+def test_a_synchronizer_under_sched_batch(tmp_path):
+    """--synchronizer-batch: every thread of the synchronizer process runs under SCHED_BATCH, as the
+    kernel reports it after the timed phases, and the run measures as any other."""
+    out = tmp_path / "learner.json"
+    proc = _bench("--out", str(out), "--synchronizer-batch", "--d-model", "32", "--n-layer", "2", "--context", "32",
+                  "--batch-size", "4", "--steps", "16", "--warmup", "4", "--repeats", "1", "--fragments", "4",
+                  "--sync-every", "4", "--overlap", "1", "--threads", "1", "--min-step-ms", "25")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(out.read_text())
+    policy = printed["synchronizer_policy"]
+    assert policy["asked"] == "batch" and policy["threads"] > 1 and policy["batch_threads"] == policy["threads"]
+    assert f"synchronizer under SCHED_BATCH: {policy['threads']} of its {policy['threads']} threads" in proc.stdout
+    assert printed["steps_per_s_on"] > 0 and printed["counts"]["sends"] > 0
+
+
+def test_synchronizer_batch_is_refused_where_the_policy_does_not_exist(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)  # refused here, before any re-run child
+    monkeypatch.delattr(os, "SCHED_BATCH")
+    work, out = tmp_path / "work", tmp_path / "learner.json"
+    with pytest.raises(SystemExit) as exit_info:
+        learner_bench.main(["--synchronizer-batch", "--workdir", str(work), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--synchronizer-batch needs Linux" in err
+    assert not work.exists() and not out.exists()
 
 
 def test_pin_is_refused_without_a_cpu_to_spare(tmp_path, capsys, monkeypatch):

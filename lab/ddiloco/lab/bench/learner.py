@@ -39,6 +39,12 @@ arithmetic on the training thread and nothing else (``LocalBoundary``: the learn
 no synchronizer). Its overhead is the floor of any learner whose boundary runs on the training
 thread, whatever carries the fragments: what ``on`` adds beyond it is the communication's.
 
+``--synchronizer-batch`` (Linux) runs every thread of the synchronizer process under
+``SCHED_BATCH``, as the learner's communication process runs: on this one machine its wakeups no
+longer preempt the training thread, as a synchronizer on another machine could not; it keeps its
+fair share of the CPUs. The policies are read back from the kernel and reported
+(``synchronizer_policy``).
+
 ``--min-step-ms`` gives every inner step a floor, with synchronisation and without it alike (the
 step sleeps out the rest, as ``learner.min_step_s`` does): the overhead at a step time this
 machine's model does not have (a larger model's, a GPU's), and a pace that does not depend on
@@ -128,6 +134,16 @@ def _pin(tids: set[int], cpus: set[int]) -> None:
     for tid in tids:
         with contextlib.suppress(ProcessLookupError):
             os.sched_setaffinity(tid, cpus)
+
+
+def _policies(pid: int, asked: str) -> dict[str, Any]:
+    """How many threads of ``pid`` run under ``SCHED_BATCH``, as the kernel reports it, against what
+    was asked."""
+    from ddiloco.learner.comm_child import thread_policies
+
+    found = thread_policies(pid)
+    batch = sum(policy == getattr(os, "SCHED_BATCH", -1) for policy in found.values())
+    return {"asked": asked, "threads": len(found), "batch_threads": batch}
 
 
 def _affinity(tids: set[int]) -> set[int]:
@@ -275,6 +291,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[A
         if cpus < 2 or _torch_threads(args) >= cpus:
             parser.error(f"--pin needs a CPU left over for communication and the synchronizer: this process "
                          f"may use {cpus} CPU(s), --threads is {_torch_threads(args)}")
+    if args.synchronizer_batch and not (hasattr(os, "SCHED_BATCH") and os.path.isdir("/proc/self/task")):
+        parser.error("--synchronizer-batch needs Linux (the SCHED_BATCH policy)")
     protocol = {k: v for k, v in (("num_fragments", args.fragments), ("sync_every", args.sync_every),
                                   ("overlap", args.overlap), ("mode", args.mode)) if v is not None}
     try:
@@ -324,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                         "machine (default 0: no floor)")
     parser.add_argument("--pin", action="store_true", help="training on the first --threads CPUs (default: "
                         "all but one), the synchronizer and the communication threads on the rest (Linux)")
+    parser.add_argument("--synchronizer-batch", action="store_true",
+                        help="every thread of the synchronizer under SCHED_BATCH (Linux): its wakeups do not preempt "
+                        "training, as a synchronizer on another machine's cannot")
     parser.add_argument("--workdir", help="folder for the synchronizer's config, state and log (default: a "
                         "temporary one, removed at the end)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -352,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, protocol: dict[str, Any],
          threads: int, work: pathlib.Path) -> int:
     from ddiloco.lab.cluster import LocalCluster
+    from ddiloco.learner.comm_child import batch_policy
     from ddiloco.learner.sync import DecoupledSync, SyncError
     from ddiloco.training.inner_loop import InnerLoop
     from ddiloco.training.model import model_fingerprint, num_params
@@ -403,6 +425,8 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         with _started_on(other_cpus):  # the synchronizer and all its threads inherit them
             cluster.start_synchronizer()
         sync_pid = cluster.procs["synchronizer"].pid
+        if args.synchronizer_batch and not batch_policy(sync_pid):
+            raise RuntimeError("SCHED_BATCH was refused for the synchronizer's threads")
         if not quiet:
             print(f"learner: built-in GPT d_model {model_cfg.d_model} n_layer {model_cfg.n_layer} context "
                   f"{model_cfg.context} batch {args.batch_size} ({num_params(model) / 1e6:.2f}M params), "
@@ -471,6 +495,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
             applies += int(sync.timings.get("apply", [0, 0.0])[0])
             if not quiet:
                 print(f"  repeat {repeat} on:  {phases[-1].steps_per_s:.2f} steps/s", flush=True)
+        policy = _policies(sync_pid, "batch" if args.synchronizer_batch else "normal")
     except (SyncError, RuntimeError) as exc:
         print(f"ddiloco bench learner: {exc} (synchronizer log: {work / 'logs' / 'synchronizer.log'})")
         return 1
@@ -526,6 +551,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         "pair_overheads_mean": "1 - on steps/s / off steps/s of each repeat's adjacent off and on phases "
                                "(slow drifts of the machine cancel within a pair)",
         "huge_pages": args.huge_pages, **memory_environment(),
+        "synchronizer_policy": policy,
         "pinning": pinning and {**pinning, "observed": {k: sorted(v) for k, v in pinning["observed"].items()}},
         "floor": floor,
         "results": [p.row() for p in ordered],
@@ -548,6 +574,9 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         seen = result["pinning"]["observed"]
         print(f"pinned: training on CPUs {seen['training']}, communication on {seen['communication']}, "
               f"synchronizer on {seen['synchronizer']} (read back)")
+    if args.synchronizer_batch:
+        print(f"synchronizer under SCHED_BATCH: {policy['batch_threads']} of its {policy['threads']} threads "
+              "(read back)")
     lc, sc = result["learner_cpu_ms_per_step"], result["synchronizer_cpu_ms_per_step"]
     print(f"CPU ms per inner step: this process off {lc['off']:.1f}, on {lc['on']:.1f}; synchronizer process "
           f"off {sc['off']:.1f}, on {sc['on']:.1f} ({result['cpus']} CPUs)")
