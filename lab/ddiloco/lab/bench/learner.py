@@ -121,14 +121,6 @@ def _comm_timing(sync: Any, times: dict[str, list[float]]) -> Iterator[None]:
         session.decode_fragment = original  # type: ignore[assignment]
 
 
-def _threads_of(pid: int) -> set[int]:
-    """Thread ids of process ``pid`` (Linux /proc; none once it is gone)."""
-    try:
-        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
-    except OSError:
-        return set()
-
-
 def _pin(tids: set[int], cpus: set[int]) -> None:
     """Run each of ``tids`` only on ``cpus`` (threads that ended meanwhile are skipped)."""
     for tid in tids:
@@ -373,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, protocol: dict[str, Any],
          threads: int, work: pathlib.Path) -> int:
     from ddiloco.lab.cluster import LocalCluster
-    from ddiloco.learner.comm_child import batch_policy
+    from ddiloco.learner.comm_child import batch_policy, thread_ids
     from ddiloco.learner.sync import DecoupledSync, SyncError
     from ddiloco.training.inner_loop import InnerLoop
     from ddiloco.training.model import model_fingerprint, num_params
@@ -412,7 +404,7 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
         training_cpus, other_cpus = set(cpus[:threads]), set(cpus[threads:])
         torch.ones(1 << 22).mul_(2).sum()  # torch's parallel team exists from here on, and stays with training
         inner_step()  # untimed
-        training_tids = _threads_of(os.getpid())
+        training_tids = thread_ids(os.getpid())
         _pin(training_tids, training_cpus)
         pinning = {"training_cpus": sorted(training_cpus), "other_cpus": sorted(other_cpus),
                    "observed": {"training": set(), "communication": set(), "synchronizer": set()},
@@ -478,10 +470,10 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                     if pinning is not None:
                         seen = pinning["observed"]
                         seen["training"] |= _affinity(training_tids)
-                        seen["communication"] |= _affinity(_threads_of(os.getpid()) - training_tids)
+                        seen["communication"] |= _affinity(thread_ids(os.getpid()) - training_tids)
                         if comm_pid:
-                            seen["communication"] |= _affinity(_threads_of(comm_pid))
-                        seen["synchronizer"] |= _affinity(_threads_of(sync_pid))
+                            seen["communication"] |= _affinity(thread_ids(comm_pid))
+                        seen["synchronizer"] |= _affinity(thread_ids(sync_pid))
                     for phase, (calls, seconds) in sync.timings.items():
                         b = before.get(phase, [0, 0.0])
                         entry = timings.setdefault(phase, [0, 0.0])

@@ -117,7 +117,7 @@ def _child(fd: int, batch: bool = True) -> None:
     # training thread's CPU (SCHED_BATCH never preempts it) holds the whole operation up while the
     # others spin: at 60K-value fragments that made each call take milliseconds and the process
     # 2.5x dearer in CPU than at 10K-value ones for the same bytes.
-    torch.set_num_threads(max(1, spec.cfg.codec_threads))
+    torch.set_num_threads(spec.cfg.codec_threads)
     log = logs.get_logger("ddiloco.learner.comm")
     if not batch:
         log.warning("SCHED_BATCH refused: the communication process may preempt training when it wakes")
@@ -265,15 +265,20 @@ def _watch(comm: Any, outbox: _Outbox, stop: threading.Event, rejoined: bool, sh
             last, last_at = key, now
 
 
+def thread_ids(pid: int | None = None) -> set[int]:
+    """The thread ids of process ``pid`` (None: this one), from ``/proc`` (Linux; none where it
+    cannot be read or the process is gone)."""
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{'self' if pid is None else pid}/task")}
+    except OSError:
+        return set()
+
+
 def thread_policies(pid: int) -> dict[int, int]:
     """Thread id -> scheduling policy of every thread of process ``pid``, read back from the kernel
     (Linux; threads that ended meanwhile are left out, and a process that is gone has none)."""
     found = {}
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return found
-    for tid in tids:
+    for tid in thread_ids(pid):
         try:
             found[tid] = os.sched_getscheduler(tid)
         except OSError:  # ProcessLookupError included: a thread that ended meanwhile
@@ -290,10 +295,7 @@ def batch_policy(pid: int | None = None) -> bool:
     is refused: the threads it was refused for keep the normal policy, and the process works on."""
     if not hasattr(os, "SCHED_BATCH"):
         return False
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
-    except OSError:
-        tids = [0 if pid is None else pid]
+    tids = thread_ids(pid) or {0 if pid is None else pid}
     for tid in tids:
         try:
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
