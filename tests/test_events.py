@@ -56,8 +56,10 @@ def test_strict_writers_raise_on_an_unknown_event_and_a_missing_field(monkeypatc
         events.emit("poisonned", step=3)
     with pytest.raises(schema.EventSchemaError, match="missing field 'blocked_s'"):
         events.emit(schema.STEP, step=1, loss=2.0, tokens=10, step_s=0.1)
-    with pytest.raises(schema.EventSchemaError, match="unknown field 'stp'"):
-        events.emit(schema.POISONED, step=3, stp=3)
+    events.emit(schema.POISONED, step=4)  # its names were checked once: not again
+    for _ in range(2):  # names that failed are checked (and refused) every time
+        with pytest.raises(schema.EventSchemaError, match="unknown field 'stp'"):
+            events.emit(schema.POISONED, step=3, stp=3)
     with pytest.raises(schema.EventSchemaError, match="missing field 'incarnation'"):
         EventLog(None, learner_id="a").emit(schema.POISONED, step=3)
     events.emit(schema.START, num_fragments=1, fragment_sizes=[4], params=4, genesis=True, mode="dp",

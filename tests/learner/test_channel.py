@@ -44,6 +44,24 @@ def test_messages_written_apart_are_read_in_order_and_none_when_nothing_is_left(
     assert not channel.ready(0)
 
 
+def test_a_look_reads_the_socket_once_and_buffered_never_reads_it(pair):
+    channel, conn = pair
+    conn.send_bytes(b"one")
+    conn.send_bytes(b"two")
+    assert channel.buffered() is None, "nothing was read yet, and buffered does not read"
+    assert channel.ready(1.0)
+    channel.fill()
+    assert [bytes(channel.buffered()), bytes(channel.buffered())] == [b"one", b"two"]
+    assert channel.buffered() is None
+    conn.send_bytes(b"three")
+    assert channel.buffered() is None, "written after the look: the next look reads it"
+    assert channel.ready(1.0)
+    channel.fill()
+    assert bytes(channel.buffered()) == b"three"
+    channel.fill()  # nothing there: a fill that finds nothing changes nothing
+    assert channel.buffered() is None and not channel.ready(0)
+
+
 def test_a_message_partly_written_stays_buffered_until_the_rest_comes(pair):
     channel, conn = pair
     raw = socket.socket(fileno=conn.fileno())  # the same socket, written byte by byte

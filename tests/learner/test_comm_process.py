@@ -338,3 +338,45 @@ def test_a_stopped_training_process_holds_the_communications_event_loop_until_it
         done.set()
         runner.join(10)
         loop.close()
+
+
+def test_the_pace_and_held_versions_are_shared_as_they_change_at_most_every_share_every_s(monkeypatch):
+    from types import SimpleNamespace
+
+    from ddiloco.fragments.partition import partition_tensors
+    from ddiloco.learner import comm_process
+    from ddiloco.learner.events import EventLog
+    from ddiloco.learner.settings import sync_config
+    from ddiloco.learner.slots import SharedValues
+
+    model = _mlp()
+    cfg = sync_config(None, synchronizer="127.0.0.1:1", learner_id="a", fragments=3, comm="process")
+    layout = partition_tensors(list(model.named_parameters()), 3)
+    held = {0: 3, 2: 1}
+    comm = ProcessComm(cfg, layout=layout, model_fingerprint="f", incarnation=1,
+                       events=EventLog(None, learner_id="a", incarnation=1), held=lambda: dict(held),
+                       genesis_values=dict)
+    comm._shared = SharedValues.create(comm_process.STATS + 3)  # what start() makes, with no child
+    clock = [100.0]
+    monkeypatch.setattr(comm_process, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def shared() -> tuple[int, list[int]]:
+        values = comm._shared.read()
+        return int(values[0]), [int(v) for v in values[comm_process.STATS:]]
+
+    try:
+        comm.stats.step = 1
+        comm._share_state()
+        assert shared() == (1, [3, -1, 1])
+        comm.stats.step, held[1] = 2, 5
+        clock[0] += comm_process.SHARE_EVERY_S / 2
+        comm._share_state()
+        assert shared() == (1, [3, -1, 1]), "written less often than SHARE_EVERY_S"
+        clock[0] += comm_process.SHARE_EVERY_S / 2
+        comm._share_state()
+        assert shared() == (2, [3, 5, 1])
+        comm.stats.step, held[0] = 3, 4
+        comm._share_state(force=True)  # a restart, a heartbeat asked for, the end of training
+        assert shared() == (3, [4, 5, 1])
+    finally:
+        comm._shared.close()

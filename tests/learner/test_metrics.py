@@ -6,17 +6,30 @@ import urllib.request
 
 from prometheus_client import generate_latest
 
+from ddiloco.core import events as schema
 from ddiloco.learner.metrics import LearnerMetrics
 
 
 def test_learner_series_names_and_build_info():
     m = LearnerMetrics()
-    m.steps.inc(3)
-    m.bytes_sent.inc(100)
+    assert "\nddiloco_learner_train_loss " not in generate_latest(m.registry).decode(), "no loss before a step"
+    for _ in range(3):
+        m.stepped(10, 2.5, 0.25, 100.0, 60, 7)
+    m.stepped(10, None, 0.0, 90.0, 40, 9)  # a restarted communication side counts from zero: no step back
+    for event, fields in ((schema.SEND, {}), (schema.SEND, {}), (schema.RESULT, {"outcome": "merged"}),
+                          (schema.DROPPED, {}), (schema.APPLY, {}), (schema.CONNECT, {"synchronizer_shard": 0}),
+                          (schema.CONNECT, {"synchronizer_shard": 1}), (schema.DISCONNECT, {"synchronizer_shard": 0})):
+        m.observe(event, fields)
     body = generate_latest(m.registry).decode()
-    assert "ddiloco_learner_steps_total 3.0" in body
-    assert "# TYPE ddiloco_learner_sent_bytes_total counter" in body
-    assert "ddiloco_learner_sent_bytes_total 100.0" in body
+    for line in ("ddiloco_learner_steps_total 4.0", "ddiloco_learner_tokens_total 40.0",
+                 "ddiloco_learner_train_loss 2.5", "ddiloco_learner_blocked_seconds_total 0.75",
+                 "ddiloco_learner_tokens_per_second 90.0", "ddiloco_learner_sent_bytes_total 60.0",
+                 "ddiloco_learner_received_bytes_total 9.0", 'ddiloco_learner_contributions_total{outcome="sent"} 2.0',
+                 'ddiloco_learner_contributions_total{outcome="merged"} 1.0',
+                 'ddiloco_learner_contributions_total{outcome="dropped"} 1.0', "ddiloco_learner_applies_total 1.0",
+                 "ddiloco_learner_connected 1.0", "# TYPE ddiloco_learner_sent_bytes_total counter",
+                 "# TYPE ddiloco_learner_connected gauge"):
+        assert line + "\n" in body, line
     info = next(line for line in body.splitlines() if line.startswith("ddiloco_build_info{"))
     assert 'service="learner"' in info and 'version="0.1.0"' in info and 'torch="' in info
     assert info.endswith(" 1.0")

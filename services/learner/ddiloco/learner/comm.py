@@ -6,7 +6,8 @@ between the threads) and a communication thread running a ``Link`` (``session.py
 gRPC stream, its sessions and reconnects). Shard ``s`` owns fragment ``p`` when ``p % S == s``
 (``ddiloco.protocol.shards``); every call about a fragment goes to its owner's lane, so a shard
 that is down or slow holds up only its own fragments, never training and never the other shards.
-At step boundaries training picks up the synchronizers' requests (``take_requests``: which
+At step boundaries training calls ``collect`` (nothing here; ``ProcessComm`` reads its channel),
+then picks up the synchronizers' requests (``take_requests``: which
 fragments to send now), hands contributions to ``submit`` (non-blocking) and picks up merged
 fragments with ``take_arrivals``. Modes that wait by design (streaming, diloco) call
 ``wait_arrival`` with a timeout.
@@ -143,6 +144,10 @@ class Comm:
         lane = self.lane(out.fragment)
         lane.mailbox.submit(out)
         lane.link.poke()
+
+    def collect(self) -> None:
+        """Nothing to read: the communication thread fills the mailboxes as things come in
+        (``ProcessComm.collect`` reads its channel here)."""
 
     def take_requests(self) -> dict[int, int]:
         """Fragments the synchronizer asked for since the last call: fragment -> round."""

@@ -12,8 +12,8 @@ thread of its own:
   answered or dropped; a full pool sends the values on the channel instead.
 - **What comes back** (the synchronizer's requests, merged fragments, heals, the join, drains,
   byte counts and the communication side's events) is written on the channel by the child as it
-  happens (whatever is waiting, in one write) and read by the training process without blocking
-  when it asks (``take_requests``, ``take_arrivals``...), at its step boundaries. A merged
+  happens (whatever is waiting, in one write) and read by the training process without blocking,
+  once per step boundary (``collect``), which ``take_requests``, ``take_arrivals``... then hand out. A merged
   fragment's values come back through shared memory too (``ReturnSlots``: the child copies them
   into a free slot, training copies them out and frees it, no message back); when every slot is
   filled they follow their message on the channel.
@@ -78,6 +78,12 @@ RESTART_WINDOW_S = 60.0
 STATS = 5
 """Shared values before the held versions: step, tokens_total, tokens_per_s, step_time_s, training_done."""
 RETURN_SLOTS = 4
+SHARE_EVERY_S = 0.05
+"""The pace and the held versions are written into shared values at most this often (and at once
+when ``force``d: a restart, a heartbeat asked for, the end of training): the heartbeats read them
+once a second, and a reconnect's Hello that names a version older than the one held fetches a
+fragment that is then not applied. At a step of a few milliseconds, a write every step cost the
+training thread tens of microseconds a step."""
 """Slots for merged fragments on their way back to training (about one arrives per inner step
 at the defaults, and training reads them at every step; a burst, a resync of every fragment,
 sends the rest on the channel)."""
@@ -233,6 +239,8 @@ class ProcessComm:
         self._shared: SharedValues | None = None
         self._shared_at: tuple[int, bool] | None = None
         """The (step, training_done) the shared values were last written at."""
+        self._shared_t = -SHARE_EVERY_S
+        """When (``time.monotonic``) they were last written."""
         self._failed = False
         """The child died before joining: nothing more to start (the join reports it)."""
 
@@ -319,7 +327,8 @@ class ProcessComm:
         try:
             ready = conn.ready(timeout_s)  # an end of file or an error reads as ready too
             while ready:
-                while (batch := conn.message()) is not None:  # the child writes what it has in one go
+                conn.fill()
+                while (batch := conn.buffered()) is not None:  # the child writes what it has in one go
                     for msg in pickle.loads(batch):
                         self._handle(msg, conn)  # values that follow a message are read here
                 ready = conn.ready(0)
@@ -373,16 +382,19 @@ class ProcessComm:
             self._pool.free(sent.ref)
 
     def _share_state(self, *, force: bool = False) -> None:
-        """Write the training side's pace and held versions where the child reads them (once a
-        step: no message, no wake-up; the heartbeats read the pace once a second)."""
+        """Write the training side's pace and held versions where the child reads them (no message,
+        no wake-up): when they changed, at most every ``SHARE_EVERY_S``, or now when ``force``."""
         s = self.stats
         key = (s.step, s.training_done)
-        if self._shared is None or (key == self._shared_at and not force):
+        if self._shared is None:
+            return
+        now = time.monotonic()
+        if not force and (key == self._shared_at or now - self._shared_t < SHARE_EVERY_S):
             return
         held = self.held()
         self._shared.write([s.step, s.tokens_total, s.tokens_per_s, s.step_time_s, float(s.training_done)]
                            + [held.get(p, -1) for p in range(self.layout.num_fragments)])
-        self._shared_at = key
+        self._shared_at, self._shared_t = key, now
 
     # -- Comm's interface -----------------------------------------------------------------
 
@@ -423,12 +435,17 @@ class ProcessComm:
             assert sent.delta is not None
             self._send(("submit", *sent.fields, None, sent.delta.numel()), sent.delta)
 
-    def take_requests(self) -> dict[int, int]:
+    def collect(self) -> None:
+        """Read what the child wrote since the last look, once at a step boundary; ``take_requests``,
+        ``take_heals`` and ``take_arrivals`` then hand out what it brought. A look is a system call
+        or two and costs tens of microseconds right after an inner step, so a boundary takes one,
+        not one per ``take_*``; what comes in during the boundary is read at the next one."""
         self.pump()
+
+    def take_requests(self) -> dict[int, int]:
         return self._box.take_requests()
 
     def take_heals(self) -> set[int]:
-        self.pump()
         return self._box.take_heals()
 
     def resync(self, fragments: tuple[int, ...]) -> None:
@@ -444,7 +461,6 @@ class ProcessComm:
         self._send(("beat",))
 
     def take_arrivals(self) -> dict[int, Arrival]:
-        self.pump()
         return self._box.take_arrivals()
 
     def peek_version(self, fragment: int) -> int | None:

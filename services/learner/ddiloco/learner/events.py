@@ -34,11 +34,17 @@ class EventLog:
         self._file = open(self.path, "a", buffering=1) if self.path else None  # noqa: SIM115 - closed in close()
         self.counts: dict[str, int] = {}
         self.observers: list[Callable[[str, dict[str, Any]], None]] = []
+        self._checked: set[tuple[str, tuple[str, ...]]] = set()
+        """(event, field names) already checked against the schema: an event emitted from one
+        place carries the same names every time, and is checked the first time only."""
 
     def emit(self, event: str, **fields: Any) -> None:
         """Write the event, then tell the observers (one that tells another process finds the line
         in the file already)."""
-        schema.validate(self.log, event, self.bound.keys() | fields.keys())
+        names = (event, tuple(fields))
+        if names not in self._checked:
+            schema.validate(self.log, event, self.bound.keys() | fields.keys())
+            self._checked.add(names)
         with self._lock:
             if self._file is not None:
                 record = {"event": event, "t": time.time(), **self.bound, **fields}
@@ -46,11 +52,10 @@ class EventLog:
         self._observed(event, fields)
 
     def observe(self, event: str, fields: dict[str, Any]) -> None:
-        """What ``emit`` does but the writing: check the event, tell the observers, count it. For an
+        """What ``emit`` does but the writing and the check: tell the observers, count it. For an
         event another process wrote to the same file (the communication process writes its own
-        events; each line is one ``write`` to a file opened for appending, so lines of the two
-        processes never interleave)."""
-        schema.validate(self.log, event, self.bound.keys() | fields.keys())
+        events, checked as it writes them; each line is one ``write`` to a file opened for
+        appending, so lines of the two processes never interleave)."""
         self._observed(event, fields)
 
     def _observed(self, event: str, fields: dict[str, Any]) -> None:

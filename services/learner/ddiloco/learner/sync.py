@@ -274,6 +274,7 @@ class DecoupledSync:
 
     def _step(self, tokens: int, loss: float | None, step_s: float | None) -> None:
         self.local.touched = {}
+        self.comm.collect()  # what the communication side left since the last boundary, read once
         self.step_count += 1
         step = self.step_count
         self.tokens += tokens
