@@ -59,7 +59,28 @@ def test_a_look_reads_the_socket_once_and_buffered_never_reads_it(pair):
     channel.fill()
     assert bytes(channel.buffered()) == b"three"
     channel.fill()  # nothing there: a fill that finds nothing changes nothing
-    assert channel.buffered() is None and not channel.ready(0)
+    assert channel.buffered() is None and not channel.partial and not channel.ready(0)
+
+
+def test_partial_says_whether_the_rest_of_a_message_is_on_its_way(pair):
+    channel, conn = pair
+    writer = threading.Thread(target=conn.send_bytes, args=(b"y" * 600_000,))  # more than a socket holds
+    writer.start()
+    try:
+        got, partial = None, []
+        while got is None:
+            assert channel.ready(5.0)
+            channel.fill()
+            got = channel.buffered()
+            partial.append(channel.partial)
+        assert len(got) == 600_000
+        assert partial[0] and not partial[-1], partial
+    finally:
+        writer.join(10)
+    conn.send_bytes(b"small")
+    assert channel.ready(1.0)
+    channel.fill()
+    assert bytes(channel.buffered()) == b"small" and not channel.partial
 
 
 def test_a_message_partly_written_stays_buffered_until_the_rest_comes(pair):

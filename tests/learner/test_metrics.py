@@ -40,3 +40,22 @@ def test_learner_metrics_are_served_on_the_given_host():
     port = m.serve(0, "127.0.0.1")  # port 0: any free one; the bound one comes back
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "ddiloco_learner_connected" in body
+
+
+def test_contributions_counted_from_several_threads_are_all_counted():
+    import sys
+    import threading
+
+    m = LearnerMetrics()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: a lost update would show
+    try:
+        threads = [threading.Thread(target=lambda: [m.observe(schema.RESULT, {"outcome": "merged"})
+                                                    for _ in range(20_000)]) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert 'ddiloco_learner_contributions_total{outcome="merged"} 60000.0' in generate_latest(m.registry).decode()

@@ -8,7 +8,7 @@ reads each message with two system calls (its length, then its bytes) and its ``
 selector each time: at one small step a few milliseconds long, with three batches of the child's
 messages per step, those calls were a tenth of the training thread's time in ``step()``. A look at
 the channel (``ready``, ``fill``, then ``buffered`` until it has nothing) takes one ``poll`` and one
-``recv`` into a buffer allocated once: ``recv(n)`` allocates ``n`` bytes per call, and a
+``recv`` (another of each only while a message is partly read) into a buffer allocated once: ``recv(n)`` allocates ``n`` bytes per call, and a
 quarter-megabyte allocation is an ``mmap`` where glibc's large allocations are not huge pages.
 """
 
@@ -26,9 +26,12 @@ _READ = 1 << 18
 
 class Channel:
     """A connected stream socket, framed as ``Connection`` frames. Reads: ``ready`` (wait for
-    something to read), ``message`` (the next complete message, if it can be had without waiting),
-    ``read_into`` (the next message, which must be exactly as long as the buffer, waiting for it).
-    Raises ``EOFError`` once the other end closed and every complete message was taken."""
+    something to read), ``fill`` (one read that never waits) then ``buffered`` (the complete
+    messages it brought, one at a time; ``partial`` after them: the rest of one is on its way), or
+    ``message`` (both: the next complete message, if it can
+    be had without waiting), ``read_into`` (the next message, which must be exactly as long as the
+    buffer, waiting for it). Raises ``EOFError`` once the other end closed and every complete
+    message was taken."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -79,6 +82,12 @@ class Channel:
     def fill(self) -> None:
         """Buffer what one ``recv`` that never waits gets (after ``ready``: there is something)."""
         self._fill(wait=False)
+
+    @property
+    def partial(self) -> bool:
+        """Whether part of a message is buffered (once ``buffered`` has handed out the complete
+        ones): the rest is on its way."""
+        return len(self._buf) > self._at
 
     def buffered(self) -> bytearray | None:
         """The next complete message already buffered, without reading the socket; ``EOFError``

@@ -23,8 +23,8 @@ thread of its own:
   contribution's result or drop frees its slot; connects and results feed the metrics) are also
   sent to it, and it counts them without writing them again (``EventLog.observe``).
 - **The pace and the held versions** (what heartbeats and a reconnect's Hello say) are written
-  once a step into shared values (``SharedValues``) that the child reads when it needs them: no
-  message, no wake-up.
+  into shared values (``SharedValues``) as the steps go, at most every ``SHARE_EVERY_S``, and the
+  child reads them when it needs them: no message, no wake-up.
 - **A dead communication process is started again** (say, killed by SIGKILL or by the OOM
   killer): the new one joins as after a reconnect (it never uploads a genesis or refetches the
   model), fetches the fragments merged meanwhile, and the contributions not answered yet and the
@@ -78,15 +78,16 @@ RESTART_WINDOW_S = 60.0
 STATS = 5
 """Shared values before the held versions: step, tokens_total, tokens_per_s, step_time_s, training_done."""
 RETURN_SLOTS = 4
-SHARE_EVERY_S = 0.05
-"""The pace and the held versions are written into shared values at most this often (and at once
-when ``force``d: a restart, a heartbeat asked for, the end of training): the heartbeats read them
-once a second, and a reconnect's Hello that names a version older than the one held fetches a
-fragment that is then not applied. At a step of a few milliseconds, a write every step cost the
-training thread tens of microseconds a step."""
 """Slots for merged fragments on their way back to training (about one arrives per inner step
 at the defaults, and training reads them at every step; a burst, a resync of every fragment,
 sends the rest on the channel)."""
+SHARE_EVERY_S = 0.05
+"""The pace and the held versions are written into shared values when the step changed, at most
+this often (and at once when ``force``d: a restart, a heartbeat asked for, the end of training).
+The heartbeats read them once a second. A reconnect's Hello that names a version older than the one
+held fetches a fragment that is then not applied; if the synchronizer went back to older versions
+meanwhile, the next contribution of a fragment it no longer has is refused. At a step of a few
+milliseconds, a write every step cost the training thread tens of microseconds a step."""
 STOP_TIMEOUT_S = 20.0
 """How long ``stop`` waits for the child to say goodbye before it is killed."""
 
@@ -331,7 +332,7 @@ class ProcessComm:
                 while (batch := conn.buffered()) is not None:  # the child writes what it has in one go
                     for msg in pickle.loads(batch):
                         self._handle(msg, conn)  # values that follow a message are read here
-                ready = conn.ready(0)
+                ready = conn.partial and conn.ready(0)  # the rest of a message, if it is there yet
         except (EOFError, OSError):
             self._died()
 
@@ -439,7 +440,8 @@ class ProcessComm:
         """Read what the child wrote since the last look, once at a step boundary; ``take_requests``,
         ``take_heals`` and ``take_arrivals`` then hand out what it brought. A look is a system call
         or two and costs tens of microseconds right after an inner step, so a boundary takes one,
-        not one per ``take_*``; what comes in during the boundary is read at the next one."""
+        not one per ``take_*``; what comes in during the boundary is read at the next one (or by
+        ``wait_arrival``, in the modes where learners wait for merges)."""
         self.pump()
 
     def take_requests(self) -> dict[int, int]:
