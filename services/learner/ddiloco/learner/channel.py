@@ -6,10 +6,12 @@ big-endian length and the bytes, or a length of -1, an 8-byte length and the byt
 in with one ``recv`` that never waits, and is cut into messages here. ``Connection.recv_bytes``
 reads each message with two system calls (its length, then its bytes) and its ``poll`` builds a
 selector each time: at one small step a few milliseconds long, with three batches of the child's
-messages per step, those calls were a tenth of the training thread's time in ``step()``. A look at
-the channel (``ready``, ``fill``, then ``buffered`` until it has nothing) takes one ``poll`` and one
-``recv`` (another of each only while a message is partly read) into a buffer allocated once: ``recv(n)`` allocates ``n`` bytes per call, and a
-quarter-megabyte allocation is an ``mmap`` where glibc's large allocations are not huge pages.
+messages per step, those calls were a tenth of the training thread's time in ``step()``.
+
+A look at the channel (``ready``, ``fill``, then ``buffered`` until it has nothing) takes one
+``poll`` and one ``recv`` (another of each only while a message is partly read), into a buffer
+allocated once: ``recv(n)`` allocates ``n`` bytes per call, and a quarter-megabyte allocation is an
+``mmap`` where glibc's large allocations are not huge pages.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ _READ = 1 << 18
 class Channel:
     """A connected stream socket, framed as ``Connection`` frames. Reads: ``ready`` (wait for
     something to read), ``fill`` (one read that never waits) then ``buffered`` (the complete
-    messages it brought, one at a time; ``partial`` after them: the rest of one is on its way), or
-    ``message`` (both: the next complete message, if it can
-    be had without waiting), ``read_into`` (the next message, which must be exactly as long as the
-    buffer, waiting for it). Raises ``EOFError`` once the other end closed and every complete
-    message was taken."""
+    messages it brought, one at a time; ``partial`` after them: the rest of one is on its way),
+    ``message`` (both: the next complete message, if it can be had without waiting), ``read_into``
+    (the next message, which must be exactly as long as the buffer, waiting for it). Raises
+    ``EOFError`` once the other end closed and every complete message was taken."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock

@@ -7,10 +7,9 @@ gRPC stream, its sessions and reconnects). Shard ``s`` owns fragment ``p`` when 
 (``ddiloco.protocol.shards``); every call about a fragment goes to its owner's lane, so a shard
 that is down or slow holds up only its own fragments, never training and never the other shards.
 At step boundaries training calls ``collect`` (nothing here; ``ProcessComm`` reads its channel),
-then picks up the synchronizers' requests (``take_requests``: which
-fragments to send now), hands contributions to ``submit`` (non-blocking) and picks up merged
-fragments with ``take_arrivals``. Modes that wait by design (streaming, diloco) call
-``wait_arrival`` with a timeout.
+then picks up the synchronizers' requests (``take_requests``: which fragments to send now), hands
+contributions to ``submit`` (non-blocking) and picks up merged fragments with ``take_arrivals``.
+Modes that wait by design (streaming, diloco) call ``wait_arrival`` with a timeout.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ thread of its own:
 - **What comes back** (the synchronizer's requests, merged fragments, heals, the join, drains,
   byte counts and the communication side's events) is written on the channel by the child as it
   happens (whatever is waiting, in one write) and read by the training process without blocking,
-  once per step boundary (``collect``), which ``take_requests``, ``take_arrivals``... then hand out. A merged
-  fragment's values come back through shared memory too (``ReturnSlots``: the child copies them
+  once per step boundary (``collect``); ``take_requests``, ``take_arrivals``... hand out what it
+  brought. A merged fragment's values come back through shared memory too (``ReturnSlots``: the child copies them
   into a free slot, training copies them out and frees it, no message back); when every slot is
   filled they follow their message on the channel.
 - **Events** of the communication side are written to the learner's event log by the child as they

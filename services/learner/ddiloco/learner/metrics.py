@@ -64,6 +64,11 @@ class LearnerMetrics:
         with self._lock:
             self.contributions[outcome] = self.contributions.get(outcome, 0) + 1
 
+    def outcomes(self) -> list[tuple[str, int]]:
+        """(outcome, contributions), in order of outcome: a copy taken under the lock."""
+        with self._lock:
+            return sorted(self.contributions.items())
+
     def stepped(self, tokens: int, loss: float | None, blocked_s: float, tokens_per_s: float,
                 sent_total: int, received_total: int) -> None:
         """One inner step: ``tokens`` trained on, its ``loss``, ``blocked_s`` waiting for merges,
@@ -109,9 +114,7 @@ class _Series(Collector):
                                   value=m.blocked_s)
         outcomes = CounterMetricFamily("ddiloco_learner_contributions_total", "Contributions by outcome",
                                        labels=["outcome"])
-        with m._lock:
-            counts = sorted(m.contributions.items())
-        for outcome, count in counts:
+        for outcome, count in m.outcomes():
             outcomes.add_metric([outcome], count)
         yield outcomes
         yield CounterMetricFamily("ddiloco_learner_applies_total", "Global fragments applied", value=m.applies)
