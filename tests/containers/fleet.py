@@ -70,6 +70,23 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, poll: float = 
         time.sleep(poll)
 
 
+EXEC_ATTEMPTS = 5
+"""Tries of a command run in a container whose output is wanted (``exec_output``)."""
+
+
+def exec_output(container: DockerContainer, argv: list[str]) -> tuple[int, bytes]:
+    """Run ``argv`` in ``container`` and return its exit code and output, for a command that always
+    prints. The engine can lose the whole output of a short-lived exec and still report exit code 0
+    (moby/moby#27289, docker/docker-py#2042; seen here once in a CI run); such a run is tried again,
+    at most ``EXEC_ATTEMPTS`` times, and the last result is returned for the caller to judge."""
+    for _ in range(EXEC_ATTEMPTS):
+        code, out = container.exec(argv)
+        if code != 0 or out:
+            break
+        time.sleep(0.2)
+    return code, out
+
+
 class _Container(DockerContainer):
     def with_loopback_port(self, port: str) -> Self:
         """Publish ``port`` on 127.0.0.1 only, on a host port the engine picks: testcontainers'

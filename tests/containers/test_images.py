@@ -11,7 +11,7 @@ import time
 import pytest
 from testcontainers.core.container import DockerContainer
 
-from tests.containers.fleet import Fleet, wait_for
+from tests.containers.fleet import Fleet, exec_output, wait_for
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -23,12 +23,12 @@ def _ddiloco(*args: str) -> list[str]:
 def _own_service_only(container: DockerContainer, role: str, other: str) -> None:
     """What a running container of the image holds: its service's command and not the other's,
     no lab, and it runs as the unprivileged user."""
-    code, out = container.exec(["ddiloco", "--help"])
+    code, out = exec_output(container, ["ddiloco", "--help"])
     assert code == 0, out
     commands = out.decode().split("installed commands:")[1].split("\n\n")[0]
     names = {line.split()[0] for line in commands.strip().splitlines()}
     assert role in names and other not in names and "run" not in names, names
-    code, out = container.exec(["python", "-c", "import os; print(os.getuid(), os.getgid())"])
+    code, out = exec_output(container, ["python", "-c", "import os; print(os.getuid(), os.getgid())"])
     assert code == 0 and out.decode().split() == ["10001", "10001"], out
 
 
