@@ -210,7 +210,7 @@ def test_a_bound_fragment_rejects_wrong_buffers_and_changes_nothing() -> None:
     assert torch.equal(gather(frag, params), before)
 
 
-@pytest.mark.parametrize("layout_of", ["contiguous fp32", "bf16", "not contiguous"])
+@pytest.mark.parametrize("layout_of", ["contiguous fp32", "one buffer", "bf16", "not contiguous"])
 def test_a_bound_replay_is_the_expression_bit_for_bit(layout_of: str) -> None:
     model = _sequential(torch.bfloat16 if layout_of == "bf16" else torch.float32)
     params = dict(model.named_parameters())
@@ -218,9 +218,10 @@ def test_a_bound_replay_is_the_expression_bit_for_bit(layout_of: str) -> None:
         params["0.weight"].data = torch.randn(8, 16).t()
     gen = torch.Generator().manual_seed(3)
     for frag in partition_tensors(list(params.items()), 2):
-        bound = BoundFragment(frag, params)
+        bound = BoundFragment(frag, params, adopt=layout_of == "one buffer")
         fast = all(params[t.name].dtype == torch.float32 and params[t.name].is_contiguous() for t in frag.tensors)
-        assert (bound._views is not None) == fast and (fast or layout_of != "contiguous fp32")
+        assert (bound._views is not None) == fast and (fast or layout_of not in ("contiguous fp32", "one buffer"))
+        assert (bound.flat is not None) == (layout_of == "one buffer" or (fast and len(frag.tensors) == 1))
         current = gather(frag, params)
         reference = current - torch.randn(frag.numel, generator=gen) * 1e-3
         values = reference + torch.randn(frag.numel, generator=gen) * 1e-2
@@ -241,3 +242,78 @@ def test_a_bound_replay_of_wrong_buffers_is_refused_and_changes_nothing() -> Non
         with pytest.raises(ValueError, match="must be fp32 with"):
             bound.replay(reference, values)
     assert torch.equal(gather(frag, params), before)
+
+
+def _adam_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+        opt.step()
+
+
+def test_adopting_lays_a_fragment_out_in_one_buffer_and_training_goes_on_as_before() -> None:
+    model, twin = _sequential(), _sequential()
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
+    _adam_steps(model, opt, 2)
+    _adam_steps(twin, twin_opt, 2)
+    params = dict(model.named_parameters())
+    objects = {name: t for name, t in params.items()}
+    layout = partition_tensors(list(params.items()), 2)
+    bounds = [BoundFragment(frag, params, adopt=True) for frag in layout]
+    for name, t in model.named_parameters():  # the same parameters, their values unchanged
+        assert t is objects[name] and torch.equal(t, dict(twin.named_parameters())[name])
+    for frag, bound in zip(layout, bounds, strict=True):
+        flat = bound.flat
+        assert flat is not None and flat.numel() == frag.numel
+        for spec, (_, start, end) in zip(frag.tensors, frag.segments(), strict=True):
+            assert params[spec.name].data_ptr() == flat[start:end].data_ptr()
+    _adam_steps(model, opt, 3)  # the optimizer's state and the gradients follow the parameters
+    _adam_steps(twin, twin_opt, 3)
+    for name, t in twin.named_parameters():
+        assert torch.equal(params[name], t), name
+    for frag, bound in zip(layout, bounds, strict=True):
+        assert torch.equal(bound.gather(), gather(frag, params))
+        values = torch.randn(frag.numel)
+        bound.scatter(values)
+        assert torch.equal(gather(frag, params), values)
+        assert torch.equal(bound.flat, values)  # the buffer is the parameters' storage
+
+
+def test_tensors_already_in_one_buffer_are_used_where_they_lie_and_others_are_not_adopted() -> None:
+    model = _sequential()
+    params = dict(model.named_parameters())
+    frag = partition_tensors(list(params.items()), 1)[0]
+    plain = BoundFragment(frag, params)  # separate tensors, not adopted: views
+    assert plain.flat is None and plain._views is not None
+    storage = torch.arange(frag.numel, dtype=torch.float32)
+    for spec, (_, start, end) in zip(frag.tensors, frag.segments(), strict=True):
+        params[spec.name].data = storage[start:end].view(spec.shape)
+    ptrs = [params[spec.name].data_ptr() for spec in frag.tensors]
+    assert plain.flat is not None and plain.flat.data_ptr() == storage.data_ptr()  # found again, not copied
+    assert [params[spec.name].data_ptr() for spec in frag.tensors] == ptrs
+    # Tensors that are not parameters (a detached alias, say) are never pointed elsewhere: training
+    # would go on updating the storage the alias left
+    aliases = {name: t.detach() for name, t in _sequential().named_parameters()}
+    before = {name: t.data_ptr() for name, t in aliases.items()}
+    bound = BoundFragment(partition_tensors(list(aliases.items()), 1)[0], aliases, adopt=True)
+    assert bound.flat is None and {name: t.data_ptr() for name, t in aliases.items()} == before
+
+
+def test_an_adopted_fragment_follows_parameters_given_new_storage() -> None:
+    model = _sequential()
+    params = dict(model.named_parameters())
+    frag = partition_tensors(list(params.items()), 1)[0]
+    bound = BoundFragment(frag, params, adopt=True)
+    first = bound.flat
+    model.double().float()  # every parameter's .data replaced: the buffer laid out before is left
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert torch.equal(bound.gather(), gather(frag, params))
+    assert bound.flat is not None and bound.flat.data_ptr() != first.data_ptr()  # laid out again
+    values = torch.arange(frag.numel, dtype=torch.float32)
+    bound.scatter(values)
+    assert torch.equal(model[0].weight.reshape(-1), values[: 16 * 8])  # written into the live parameter
+    model.to(torch.bfloat16)  # no longer fp32: the functions, the values rounded to bf16
+    assert bound.flat is None and torch.equal(bound.gather(), gather(frag, params))

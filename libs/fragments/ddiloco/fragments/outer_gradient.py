@@ -86,24 +86,37 @@ def all_finite(values: torch.Tensor) -> bool:
 
 
 class BoundFragment:
-    """A fragment bound to a model's parameters: ``gather`` and ``scatter`` as above, in one call
-    into torch each (``torch.cat`` into the flat buffer; one ``_foreach_copy_`` out of it) where
-    the module-level functions take a few calls per tensor.
+    """A fragment bound to a model's parameters: ``gather``, ``scatter`` and ``replay`` as above,
+    in as few calls into torch as the parameters' layout allows.
 
-    On a small model that is most of their cost: at 0.24M parameters (24 fragments of 1-8 tensors)
-    a fragment's gather took about 0.3 ms in Python, the same in one ``cat`` about 0.012 ms.
+    On a small model the calls are most of the cost: at 0.24M parameters (24 fragments of 1-8
+    tensors) a fragment's gather took about 0.3 ms in Python, the same in one ``cat`` about 0.012 ms.
+    Each call costs a few tens of microseconds more right after an inner step, which evicted its code
+    and data from the caches.
 
-    The flat views of the parameters are made once. That holds for fp32 CPU tensors laid out
-    contiguously, whose storage training updates in place; every call checks that each parameter
-    still has the storage its view was made of (``model.to(...)`` or an assignment to ``.data``
-    gives it another one) and makes the views again when one does not. Parameters on another
-    device, of another dtype or not contiguous take the module-level functions.
+    - **One flat buffer.** When the fragment's tensors lie one after another in one storage (fp32,
+      on the CPU, contiguous), the fragment is that stretch of storage: a gather is one copy, a
+      scatter one copy, a replay two in-place operations. ``adopt=True`` lays them out so, where
+      they are not already: it copies the fragment's parameters into one new fp32 buffer and points
+      each parameter (an ``nn.Parameter``) at its part of it (``param.data = ...``). Their values,
+      identities, gradients and optimizer state are unchanged; only where their values are stored
+      moves. Measured with a 30 MB buffer touched between calls, as an inner step does: a replay
+      and the gather before it took 87 us on views of separate tensors and 36 us on one buffer.
+    - **Views.** Otherwise, on fp32 CPU contiguous tensors: one ``torch.cat`` into the flat buffer,
+      one ``_foreach_copy_`` out of it.
+    - Parameters on another device, of another dtype or not contiguous take the module-level
+      functions.
+
+    The layout is found once. Every call checks that each parameter still has the storage it was
+    found with (``model.to(...)`` or an assignment to ``.data`` gives it another one) and finds it
+    again when one does not (adopting the new storage, with ``adopt``).
     """
 
-    def __init__(self, fragment: Fragment, params: Mapping[str, torch.Tensor]) -> None:
-        self.fragment, self.params = fragment, params
+    def __init__(self, fragment: Fragment, params: Mapping[str, torch.Tensor], *, adopt: bool = False) -> None:
+        self.fragment, self.params, self.adopt = fragment, params, adopt
         self.sizes = [spec.numel for spec in fragment.tensors]
         self._views: list[torch.Tensor] | None = None
+        self._flat: torch.Tensor | None = None
         self._ptrs: list[int] = []
         self._bind()
 
@@ -113,8 +126,24 @@ class BoundFragment:
         live = [self.params[spec.name] for spec in self.fragment.tensors]
         fast = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                    and t.numel() == spec.numel for t, spec in zip(live, self.fragment.tensors, strict=True))
+        self._flat = None
+        if fast:
+            if not _adjacent(live) and self.adopt and all(isinstance(t, torch.nn.Parameter) for t in live):
+                flat = torch.empty(self.fragment.numel, dtype=torch.float32)
+                torch.cat([t.detach().view(-1) for t in live], out=flat)
+                for t, spec, (_, start, end) in zip(live, self.fragment.tensors, self.fragment.segments(), strict=True):
+                    t.data = flat[start:end].view(spec.shape)
+            if _adjacent(live):
+                self._flat = live[0].detach().as_strided((self.fragment.numel,), (1,))
         self._views = [t.detach().view(-1) for t in live] if fast else None
         self._ptrs = [t.data_ptr() for t in live]
+
+    @property
+    def flat(self) -> torch.Tensor | None:
+        """The fragment's values as one flat fp32 tensor over the parameters' own storage (writing
+        to it writes the parameters), or None where they do not lie in one buffer."""
+        self._current()
+        return self._flat
 
     def _current(self) -> list[torch.Tensor] | None:
         """The flat views, made again if a parameter's storage changed; None: not bindable."""
@@ -128,10 +157,12 @@ class BoundFragment:
         views = self._current()
         if views is None:
             return gather(self.fragment, self.params, out)
+        if out is not None and (out.numel() != self.fragment.numel or out.dtype != torch.float32):
+            raise ValueError(f"out buffer must be fp32 with {self.fragment.numel} values")
+        if self._flat is not None:
+            return self._flat.clone() if out is None else out.copy_(self._flat)
         if out is None:
             out = torch.empty(self.fragment.numel, dtype=torch.float32)
-        elif out.numel() != self.fragment.numel or out.dtype != torch.float32:
-            raise ValueError(f"out buffer must be fp32 with {self.fragment.numel} values")
         return torch.cat(views, out=out)
 
     def scatter(self, flat: torch.Tensor) -> None:
@@ -144,7 +175,10 @@ class BoundFragment:
             raise ValueError(f"flat buffer has {flat.numel()} values, fragment {self.fragment.index} has "
                              f"{self.fragment.numel}")
         with torch.no_grad():
-            torch._foreach_copy_(views, flat.reshape(-1).split_with_sizes(self.sizes))
+            if self._flat is not None:
+                self._flat.copy_(flat.reshape(-1))
+            else:
+                torch._foreach_copy_(views, flat.reshape(-1).split_with_sizes(self.sizes))
 
     def replay(self, reference: torch.Tensor, values: torch.Tensor) -> None:
         """The parameters become ``values + (current - reference)`` (flat fp32 buffers): the
@@ -162,5 +196,19 @@ class BoundFragment:
             self.scatter(values + (self.gather() - reference))
             return
         with torch.no_grad():
-            torch._foreach_sub_(views, reference.reshape(-1).split_with_sizes(self.sizes))
-            torch._foreach_add_(views, values.reshape(-1).split_with_sizes(self.sizes))
+            if self._flat is not None:
+                self._flat.sub_(reference.reshape(-1)).add_(values.reshape(-1))
+            else:
+                torch._foreach_sub_(views, reference.reshape(-1).split_with_sizes(self.sizes))
+                torch._foreach_add_(views, values.reshape(-1).split_with_sizes(self.sizes))
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> bool:
+    """Whether contiguous fp32 ``tensors`` lie one right after another in one storage."""
+    storage = tensors[0].untyped_storage().data_ptr()
+    end = tensors[0].data_ptr()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage or t.data_ptr() != end:
+            return False
+        end += 4 * t.numel()
+    return True

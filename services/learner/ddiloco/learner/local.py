@@ -25,8 +25,10 @@ class LocalFragments:
     def __init__(self, params: dict[str, torch.Tensor], layout: FragmentLayout, *, apply_policy: str,
                  mix_alpha: float, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.params, self.layout = params, layout
-        self.bound = [BoundFragment(f, params) for f in layout]
-        """Each fragment's gather and scatter, bound to ``params``."""
+        self.bound = [BoundFragment(f, params, adopt=True) for f in layout]
+        """Each fragment's gather and scatter, bound to ``params``. The fp32 CPU parameters of each
+        fragment are laid out in one buffer of their own (``BoundFragment``'s ``adopt``), so that a
+        boundary reads and writes a fragment in one call into torch."""
         self.apply_policy, self.mix_alpha, self.optimizer = apply_policy, mix_alpha, optimizer
         self.state: dict[int, LearnerFragment] = {}
         """Fragment -> its protocol state (from ``join`` on)."""
