@@ -317,3 +317,67 @@ def test_an_adopted_fragment_follows_parameters_given_new_storage() -> None:
     assert torch.equal(model[0].weight.reshape(-1), values[: 16 * 8])  # written into the live parameter
     model.to(torch.bfloat16)  # no longer fp32: the functions, the values rounded to bf16
     assert bound.flat is None and torch.equal(bound.gather(), gather(frag, params))
+
+
+@pytest.mark.parametrize("adopt", [False, True])
+@pytest.mark.parametrize("write", ["scatter", "replay"])
+def test_a_write_between_forward_and_backward_is_caught_whatever_the_layout(adopt: bool, write: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    params = dict(model.named_parameters())
+    frag = partition_tensors(list(params.items()), 1)[0]
+    bound = BoundFragment(frag, params, adopt=adopt)
+    assert (bound.flat is not None) == adopt
+    before = {name: t._version for name, t in params.items()}
+    loss = model(torch.randn(3, 8)).square().sum()  # saves the last layer's weight for the backward
+    current = gather(frag, params)
+    if write == "scatter":
+        bound.scatter(current + 1.0)
+    else:
+        bound.replay(current - 1.0, current)
+    assert all(t._version > before[name] for name, t in params.items())  # every tensor marked as written
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_parameters_that_share_their_storage_with_something_else_are_not_moved() -> None:
+    import numpy as np
+
+    from ddiloco.learner.local import LocalFragments
+
+    # a buffer of the user's holding two parameters in the reverse order of the fragment's
+    buffer = torch.zeros(8)
+    owned = {"a": torch.nn.Parameter(buffer[4:]), "b": torch.nn.Parameter(buffer[:4])}
+    bound = BoundFragment(partition_tensors(list(owned.items()), 1)[0], owned, adopt=True)
+    assert bound.flat is None and owned["a"].data_ptr() == buffer[4:].data_ptr()
+    # in shared memory (another process reads them there)
+    shared = dict(_sequential().share_memory().named_parameters())
+    bound = BoundFragment(partition_tensors(list(shared.items()), 1)[0], shared, adopt=True)
+    assert bound.flat is None and all(t.is_shared() for t in shared.values())
+    # with an empty tensor among them (it has no address): not moved, gathered all the same
+    model = _sequential()
+    params = dict(model.named_parameters()) | {"empty": torch.nn.Parameter(torch.zeros(0))}
+    ptrs = {name: t.data_ptr() for name, t in params.items()}
+    frag = partition_tensors(list(params.items()), 1)[0]
+    bound = BoundFragment(frag, params, adopt=True)
+    assert bound.flat is None and {name: t.data_ptr() for name, t in params.items()} == ptrs
+    assert torch.equal(bound.gather(), gather(frag, params))
+    # two parameters tied by one storage: the learner leaves their fragments as they are
+    model = _sequential()
+    model[2].weight = torch.nn.Parameter(torch.zeros(4, 16))
+    tied = dict(model.named_parameters()) | {"tie": torch.nn.Parameter(torch.zeros(0))}
+    tied["tie"].data = tied["2.weight"].data  # another parameter over the same storage
+    local = LocalFragments(tied, partition_tensors(list(tied.items()), 2), apply_policy="replay", mix_alpha=0.5)
+    assert tied["tie"].data_ptr() == tied["2.weight"].data_ptr()
+    with torch.no_grad():
+        tied["2.weight"].add_(1.0)
+    assert torch.equal(tied["tie"], tied["2.weight"])
+    for bound in local.bound:
+        assert (bound.flat is not None) == all(t.name not in ("2.weight", "tie") for t in bound.fragment.tensors) \
+            or len(bound.fragment.tensors) == 1
+    # two storages that begin at the same address (numpy memory) are not one buffer
+    arr = np.arange(5, dtype=np.float32)
+    aliased = {"a": torch.nn.Parameter(torch.from_numpy(arr[:3])), "b": torch.nn.Parameter(torch.from_numpy(arr)[3:5])}
+    frag = partition_tensors(list(aliased.items()), 1)[0]
+    bound = BoundFragment(frag, aliased, adopt=True)
+    assert bound.flat is None and torch.equal(bound.gather(), gather(frag, aliased))

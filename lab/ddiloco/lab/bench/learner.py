@@ -424,6 +424,9 @@ def _run(args: argparse.Namespace, model_cfg: Any, model: Any, train_cfg: Any, p
                   f"{model_cfg.context} batch {args.batch_size} ({num_params(model) / 1e6:.2f}M params), "
                   f"{threads} torch threads; protocol {protocol or 'defaults'}; synchronizer {cluster.target}",
                   flush=True)
+        # The learner lays each fragment's parameters out in one buffer when it is made (LocalFragments):
+        # done here first, so that every phase, the first off phase included, trains on that layout
+        LocalBoundary(model, protocol)
         for repeat in range(args.repeats):
             for _ in range(args.warmup):
                 inner_step()

@@ -25,10 +25,12 @@ class LocalFragments:
     def __init__(self, params: dict[str, torch.Tensor], layout: FragmentLayout, *, apply_policy: str,
                  mix_alpha: float, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.params, self.layout = params, layout
-        self.bound = [BoundFragment(f, params, adopt=True) for f in layout]
+        tied = _sharing_storage(params)
+        self.bound = [BoundFragment(f, params, adopt=not any(t.name in tied for t in f.tensors)) for f in layout]
         """Each fragment's gather and scatter, bound to ``params``. The fp32 CPU parameters of each
         fragment are laid out in one buffer of their own (``BoundFragment``'s ``adopt``), so that a
-        boundary reads and writes a fragment in one call into torch."""
+        boundary reads and writes a fragment in one call into torch; not those of a fragment with a
+        parameter that shares its storage with another parameter (moving it would untie them)."""
         self.apply_policy, self.mix_alpha, self.optimizer = apply_policy, mix_alpha, optimizer
         self.state: dict[int, LearnerFragment] = {}
         """Fragment -> its protocol state (from ``join`` on)."""
@@ -131,6 +133,15 @@ class LocalFragments:
         if self.optimizer is not None:
             for spec in self.layout[p].tensors:
                 self.optimizer.state.pop(self.params[spec.name], None)
+
+
+def _sharing_storage(params: dict[str, torch.Tensor]) -> set[str]:
+    """The names of the parameters whose storage another parameter uses too."""
+    by_storage: dict[tuple[str, int], list[str]] = {}
+    for name, t in params.items():
+        if t.numel():
+            by_storage.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(name)
+    return {name for names in by_storage.values() if len(names) > 1 for name in names}
 
 
 __all__ = ["LocalFragments"]
