@@ -103,8 +103,9 @@ class BoundFragment:
       can move without breaking a sharing are moved (``_movable``: an ``nn.Parameter`` that is the
       whole of its storage, not in shared memory); the caller leaves out parameters tied to others
       by one storage. Writes through the buffer mark every tensor of the fragment as changed in
-      place, as writes through their own views do (autograd's version counters). Measured with a 30 MB buffer touched between calls, as an inner step does: a replay
-      and the gather before it took 87 us on views of separate tensors and 36 us on one buffer.
+      place, as writes through their own views do (autograd's version counters). Measured with a
+      30 MB buffer touched between calls, as an inner step does: a replay and the gather before it
+      took 87 us on views of separate tensors and 36 us on one buffer.
     - **Views.** Otherwise, on fp32 CPU contiguous tensors: one ``torch.cat`` into the flat buffer,
       one ``_foreach_copy_`` out of it.
     - Parameters on another device, of another dtype or not contiguous take the module-level
@@ -132,12 +133,14 @@ class BoundFragment:
                    and t.numel() == spec.numel for t, spec in zip(live, self.fragment.tensors, strict=True))
         self._flat, self._others = None, []
         if fast and all(t.numel() for t in live):  # an empty tensor has no address to lay out by
-            if not _adjacent(live) and self.adopt and all(_movable(t) for t in live):
+            adjacent = _adjacent(live)
+            if not adjacent and self.adopt and all(_movable(t) for t in live):
                 flat = torch.empty(self.fragment.numel, dtype=torch.float32)
                 torch.cat([t.detach().view(-1) for t in live], out=flat)
                 for t, spec, (_, start, end) in zip(live, self.fragment.tensors, self.fragment.segments(), strict=True):
                     t.data = flat[start:end].view(spec.shape)
-            if _adjacent(live):
+                adjacent = True
+            if adjacent:
                 self._flat = live[0].detach().as_strided((self.fragment.numel,), (1,))
                 self._others = live[1:]
         self._views = [t.detach().view(-1) for t in live] if fast else None
