@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 
 import pytest
@@ -190,3 +192,80 @@ def test_what_the_channel_sends_the_connection_reads(pair):
     assert reader_got[:2] == [small, big]
     assert torch.equal(torch.frombuffer(bytearray(reader_got[2]), dtype=torch.float32),
                        torch.arange(5, dtype=torch.float32))
+
+
+def test_a_channel_on_two_sockets_reads_one_writes_the_other_and_closes_both():
+    read_ours, read_theirs = socket.socketpair()
+    send_ours, send_theirs = socket.socketpair()
+    channel = Channel(read_ours, send=send_ours)
+    child_in, child_out = Connection(send_theirs.detach()), Connection(read_theirs.detach())
+    try:
+        channel.send(b"to the child")
+        assert child_in.recv_bytes() == b"to the child"
+        assert not child_out.poll(0)  # nothing went the other way
+        child_out.send_bytes(b"from the child")
+        assert channel.ready(5.0)
+        assert channel.message() == b"from the child"
+        channel.close()
+        with pytest.raises(EOFError):
+            child_in.recv_bytes()
+        assert child_out.poll(0)  # the read end closed too
+    finally:
+        channel.close()
+        child_in.close()
+        child_out.close()
+
+
+def _sleeps(tid: int) -> int:
+    """How many times thread ``tid`` of this process gave up its CPU (slept), from ``/proc``."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread counters from Linux's /proc")
+@pytest.mark.parametrize("sockets", ["one", "two"])
+def test_reading_the_channel_does_not_wake_a_reader_blocked_on_the_other_direction(sockets):
+    """On one socket pair, every read of the training process's end wakes the communication
+    process's reader blocked on the other end (it is told there is room to write); with a socket
+    per direction it sleeps through them."""
+    ours, theirs = socket.socketpair()
+    if sockets == "one":
+        channel, child_in = Channel(ours), Connection(theirs.detach())
+        child_out = child_in
+    else:
+        back_ours, back_theirs = socket.socketpair()
+        channel = Channel(back_ours, send=ours)
+        child_in, child_out = Connection(theirs.detach()), Connection(back_theirs.detach())
+    tid: list[int] = []
+    got: list[bytes] = []
+    started = threading.Event()
+
+    def reader() -> None:  # the communication process's main thread: blocked on what training writes
+        tid.append(threading.get_native_id())
+        started.set()
+        got.append(child_in.recv_bytes())
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        assert started.wait(10)
+        time.sleep(0.1)  # blocked in its read by now
+        before = _sleeps(tid[0])
+        for i in range(20):
+            child_out.send_bytes(b"an event %d" % i)
+            assert channel.ready(5.0)
+            assert channel.message() == b"an event %d" % i
+            time.sleep(0.01)  # a woken reader runs and sleeps again before the next read
+        woken = _sleeps(tid[0]) - before
+        if sockets == "one":
+            assert woken >= 3  # the mechanism the two sockets avoid (one per read on an idle machine)
+        else:
+            assert woken == 0
+        channel.send(b"stop")
+        thread.join(10)
+        assert got == [b"stop"]
+    finally:
+        channel.close()
+        child_in.close()
+        child_out.close()
+        thread.join(10)

@@ -12,6 +12,14 @@ A look at the channel (``ready``, ``fill``, then ``buffered`` until it has nothi
 ``poll`` and one ``recv`` (another of each only while a message is partly read), into a buffer
 allocated once: ``recv(n)`` allocates ``n`` bytes per call, and a quarter-megabyte allocation is an
 ``mmap`` where glibc's large allocations are not huge pages.
+
+The two directions may travel on two sockets (``Channel(read, send=...)``), and the learner's do: a
+process blocked reading its end of a socket is woken whenever the other end reads what it had
+written there (the kernel signals room to write on the socket it reads from, and a blocked read is
+woken by any signal on it). On one socket pair, each look of the training process at the channel
+woke the communication process's reader, which then found nothing and slept again: a wake-up per
+look, paid inside the training thread's ``recv`` (measured: a ``recv`` of 300 bytes took 24 us
+against 15 with the reader on a socket of its own).
 """
 
 from __future__ import annotations
@@ -27,15 +35,18 @@ _READ = 1 << 18
 
 
 class Channel:
-    """A connected stream socket, framed as ``Connection`` frames. Reads: ``ready`` (wait for
+    """A connected stream socket (``send``: another one to write to), framed as ``Connection``
+    frames. Reads: ``ready`` (wait for
     something to read), ``fill`` (one read that never waits) then ``buffered`` (the complete
     messages it brought, one at a time; ``partial`` after them: the rest of one is on its way),
     ``message`` (both: the next complete message, if it can be had without waiting), ``read_into``
     (the next message, which must be exactly as long as the buffer, waiting for it). Raises
     ``EOFError`` once the other end closed and every complete message was taken."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, send: socket.socket | None = None) -> None:
         self.sock = sock
+        self.out = sock if send is None else send
+        """Where ``send`` writes."""
         self._buf = bytearray()
         self._at = 0
         """Where the unread bytes of ``_buf`` begin."""
@@ -51,6 +62,7 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close()
+        self.out.close()
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -59,10 +71,10 @@ class Channel:
         n = len(data) if not isinstance(data, memoryview) else data.nbytes
         head = _SHORT.pack(n) if n < 0x7FFFFFFF else _SHORT.pack(-1) + _LONG.pack(n)
         if n <= 1 << 16:
-            self.sock.sendall(head + bytes(data))
+            self.out.sendall(head + bytes(data))
         else:
-            self.sock.sendall(head)
-            self.sock.sendall(data)
+            self.out.sendall(head)
+            self.out.sendall(data)
 
     # -- reading ------------------------------------------------------------------------------
 

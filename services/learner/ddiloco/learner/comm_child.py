@@ -1,6 +1,7 @@
 """The communication process of a learner in ``learner.comm: process``: ``python -m
-ddiloco.learner.comm_child FD``, started by the training process's ``ProcessComm`` (``comm_process.py``,
-which describes the whole arrangement) with its end of the control channel as descriptor ``FD``.
+ddiloco.learner.comm_child IN OUT``, started by the training process's ``ProcessComm``
+(``comm_process.py``, which describes the whole arrangement) with the control channel's two
+sockets as descriptors: ``IN`` what training writes, ``OUT`` what this process writes.
 
 It puts its threads under ``SCHED_BATCH``, reads a ``ChildSpec``, attaches the training process's
 slot pool, return slots and shared values, runs the learner's ``Comm`` (lanes, links, mailboxes,
@@ -85,8 +86,8 @@ class _ForwardingMailbox(Mailbox):
     outbox: _Outbox
     returns: ReturnSlots
 
-    def add_request(self, msg: wire.FragmentRequest) -> None:
-        self.outbox.put(("request", msg.fragment_id, msg.round))
+    def add_request(self, fragment: int, round_no: int) -> None:
+        self.outbox.put(("request", fragment, round_no))
 
     def deliver(self, arrival: Arrival) -> None:
         ref = self.returns.put(arrival.values)
@@ -100,12 +101,12 @@ class _ForwardingMailbox(Mailbox):
             self.outbox.put(("heals", sorted(heals)))
 
 
-def _child(fd: int, batch: bool = True) -> None:
+def _child(fd_in: int, fd_out: int, batch: bool = True) -> None:
     from ddiloco.learner.comm import Comm
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the training process's call
         signal.signal(sig, signal.SIG_IGN)
-    conn = Connection(fd)
+    conn = Connection(fd_in, writable=False)
     try:
         spec: ChildSpec = pickle.loads(conn.recv_bytes())
     except EOFError:
@@ -123,7 +124,7 @@ def _child(fd: int, batch: bool = True) -> None:
         log.warning("SCHED_BATCH refused: the communication process may preempt training when it wakes")
     log.info("communication process started", pid=os.getpid(), torch_threads=torch.get_num_threads(),
              sched_batch=batch, rejoin=spec.rejoin)
-    outbox = _Outbox(conn)
+    outbox = _Outbox(Connection(fd_out, readable=False))
     events = EventLog(spec.event_log, **spec.bound)  # appended to as training appends to it
 
     def observed(event: str, fields: dict[str, Any]) -> None:
@@ -307,4 +308,4 @@ def batch_policy(pid: int | None = None) -> bool:
 
 
 if __name__ == "__main__":
-    _child(int(sys.argv[1]), batch_policy())
+    _child(int(sys.argv[1]), int(sys.argv[2]), batch_policy())

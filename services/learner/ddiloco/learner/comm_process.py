@@ -8,7 +8,7 @@ thread of its own:
 
 - **Contributions** go out through shared memory: ``submit`` copies a fragment's outer gradient
   into a slot of a ``SlotPool`` (``slots.py``; the training process owns it) and writes a small
-  message on the control channel (a socket pair). The slot comes back when the contribution is
+  message on the control channel (a socket pair each way: ``channel.py``). The slot comes back when the contribution is
   answered or dropped; a full pool sends the values on the channel instead.
 - **What comes back** (the synchronizer's requests, merged fragments, heals, the join, drains,
   byte counts and the communication side's events) is written on the channel by the child as it
@@ -70,7 +70,6 @@ from ddiloco.learner.events import EventLog
 from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
 from ddiloco.learner.session import LiveStats
 from ddiloco.learner.slots import Claim, ReturnSlots, SharedValues, SlotPool, SlotRef
-from ddiloco.protocol import wire
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -262,17 +261,26 @@ class ProcessComm:
     def _spawn(self, *, rejoin: bool) -> None:
         assert self._pool is not None and self._shared is not None and self._returns is not None
         self._returns.clear()  # no child writes them now, and training holds none
-        ours, theirs = socket.socketpair()
+        # One socket pair per direction (``channel.py`` says why): the child reads ``to_child``
+        # and writes ``from_child``.
+        to_child, child_in = socket.socketpair()
+        from_child, child_out = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "ddiloco.learner.comm_child", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(), self._pool.fd, self._shared.fd, self._returns.fd), stdin=subprocess.DEVNULL)
+                [sys.executable, "-m", "ddiloco.learner.comm_child", str(child_in.fileno()), str(child_out.fileno())],
+                pass_fds=(child_in.fileno(), child_out.fileno(), self._pool.fd, self._shared.fd, self._returns.fd),
+                stdin=subprocess.DEVNULL)
+        except BaseException:
+            to_child.close()
+            from_child.close()
+            raise
         finally:
-            theirs.close()
+            child_in.close()
+            child_out.close()
         if hasattr(os, "SCHED_BATCH"):  # from its first instruction (its imports); the child sets the rest
             with contextlib.suppress(OSError):  # refused, or gone already: the child tries again and says so
                 os.sched_setscheduler(self._proc.pid, os.SCHED_BATCH, os.sched_param(0))
-        self._conn = Channel(ours)
+        self._conn = Channel(from_child, send=to_child)
         spec = ChildSpec(self.cfg, self.layout, self.model_fingerprint, self.incarnation, self.labels,
                      dict(self.events.bound), self._pool.fd, self._pool.count, self._pool.slot_bytes,
                      self._shared.fd, self._returns.fd, self._returns.count, self._returns.slot_bytes, rejoin,
@@ -349,7 +357,7 @@ class ProcessComm:
             if event in (schema.RESULT, schema.DROPPED):
                 self._release(fields["sequence"])
         elif kind == "request":
-            self._box.add_request(wire.FragmentRequest(fragment_id=msg[1], round=msg[2]))
+            self._box.add_request(msg[1], msg[2])
         elif kind == "heals":
             self._box.add_heals(msg[1])
         elif kind == "arrival":

@@ -195,9 +195,11 @@ class Mailbox:
             elif msg.outcome == "merged":
                 self._refused[msg.fragment_id] = 0
 
-    def add_request(self, msg: wire.FragmentRequest) -> None:
+    def add_request(self, fragment: int, round_no: int) -> None:
+        """The synchronizer asked for ``fragment`` in round ``round_no`` (a ``FragmentRequest``'s fields:
+        plain numbers, so the communication process's messages build no message object)."""
         with self._lock:
-            self._requests[msg.fragment_id] = max(msg.round, self._requests.get(msg.fragment_id, 0))
+            self._requests[fragment] = max(round_no, self._requests.get(fragment, 0))
 
     def deliver(self, arrival: Arrival) -> None:
         with self._lock:

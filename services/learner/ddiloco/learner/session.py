@@ -424,7 +424,7 @@ class Link:
                 self.log.info("drain requested", reason=msg.reason)
                 self.draining.set()
             elif isinstance(msg, wire.FragmentRequest):
-                self.mailbox.add_request(msg)
+                self.mailbox.add_request(msg.fragment_id, msg.round)
 
     async def _heartbeats(self, stream: SyncStream) -> None:
         assert self._beat is not None
