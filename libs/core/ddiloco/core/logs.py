@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO, cast
 
 import structlog
 
@@ -36,10 +36,22 @@ def configure(level: str | None = None, json: bool | None = None, file: Any = No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=file or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=file or cast(TextIO, _Stderr())),
         cache_logger_on_first_use=False,
     )
     _CONFIGURED = True
+
+
+class _Stderr:
+    """``sys.stderr`` as it is when a line is written, not as it was when logging was configured:
+    a stream that replaced it for a while (a test's output capture, a redirect) and was closed
+    since would otherwise take every later line, and fail on it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def settings() -> dict[str, Any]:
