@@ -372,7 +372,7 @@ def test_the_pace_and_held_versions_are_shared_as_they_change_at_most_every_shar
         clock[0] += comm_process.SHARE_EVERY_S / 2
         comm._share_state()
         assert shared() == (1, [3, -1, 1]), "written less often than SHARE_EVERY_S"
-        clock[0] += comm_process.SHARE_EVERY_S / 2
+        clock[0] = 100.0 + comm_process.SHARE_EVERY_S
         comm._share_state()
         assert shared() == (2, [3, 5, 1])
         comm.stats.step, held[0] = 3, 4

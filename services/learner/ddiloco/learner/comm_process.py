@@ -80,10 +80,12 @@ RETURN_SLOTS = 4
 """Slots for merged fragments on their way back to training (about one arrives per inner step
 at the defaults, and training reads them at every step; a burst, a resync of every fragment,
 sends the rest on the channel)."""
-SHARE_EVERY_S = 0.05
+SHARE_EVERY_S = 0.2
 """The pace and the held versions are written into shared values when the step changed, at most
 this often (and at once when ``force``d: a restart, a heartbeat asked for, the end of training).
-The heartbeats read them once a second. A reconnect's Hello that names a version older than the one
+The heartbeats read them once a second; what they send may be up to 0.2 s old. At 0.05 s a write
+(about 30 us at a step boundary) came every third step at 0.24M parameters; now one step in ten
+pays it. A reconnect's Hello that names a version older than the one
 held fetches a fragment that is then not applied; if the synchronizer went back to older versions
 meanwhile, the next contribution of a fragment it no longer has is refused. At a step of a few
 milliseconds, a write every step cost the training thread tens of microseconds a step."""
