@@ -8,8 +8,9 @@ thread of its own:
 
 - **Contributions** go out through shared memory: ``submit`` copies a fragment's outer gradient
   into a slot of a ``SlotPool`` (``slots.py``; the training process owns it) and writes a small
-  message on the control channel (a socket pair each way: ``channel.py``). The slot comes back when the contribution is
-  answered or dropped; a full pool sends the values on the channel instead.
+  message on the control channel (a socket pair each way: ``channel.py``). The slot comes back
+  when the contribution is answered or dropped; a full pool sends the values on the channel
+  instead.
 - **What comes back** (the synchronizer's requests, merged fragments, heals, the join, drains,
   byte counts and the communication side's events) is written on the channel by the child as it
   happens (whatever is waiting, in one write) and read by the training process without blocking,

@@ -20,8 +20,8 @@ decides what to do instead.
 training) and needs no message back: each slot's state (free or filled) is a byte at the head of
 the block. The writer fills a free slot and marks it; the reader copies the values out and marks
 it free again. Either process may die at any moment: the training process creates the block (it
-outlives any communication process) and, before it starts another, frees every slot (it keeps no
-view of one: it copies at once).
+outlives any communication process) and, before it starts another, frees every slot (no values of
+its own stay in one: a take copies them out at once).
 """
 
 from __future__ import annotations
