@@ -84,12 +84,12 @@ sends the rest on the channel)."""
 SHARE_EVERY_S = 0.2
 """The pace and the held versions are written into shared values when the step changed, at most
 this often (and at once when ``force``d: a restart, a heartbeat asked for, the end of training).
-The heartbeats read them once a second; what they send may be up to 0.2 s old. At 0.05 s a write
-(about 30 us at a step boundary) came every third step at 0.24M parameters; now one step in ten
-pays it. A reconnect's Hello that names a version older than the one
-held fetches a fragment that is then not applied; if the synchronizer went back to older versions
-meanwhile, the next contribution of a fragment it no longer has is refused. At a step of a few
-milliseconds, a write every step cost the training thread tens of microseconds a step."""
+The heartbeats read them once a second, so what they send may be this much older than the last
+step. A reconnect's Hello that names a version older than the one held fetches a fragment that is
+then not applied; if the synchronizer went back to older versions meanwhile, the next contribution
+of a fragment it no longer has is refused. A write costs the training thread about 30 us at a step
+boundary: every step, at a step of a few milliseconds, that was tens of microseconds a step; at
+0.05 s it came every third step at 0.24M parameters, now every tenth."""
 STOP_TIMEOUT_S = 20.0
 """How long ``stop`` waits for the child to say goodbye before it is killed."""
 
