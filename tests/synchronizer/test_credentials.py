@@ -8,6 +8,7 @@ re-read when it changes, and operator-only status.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import os
 import shutil
@@ -15,10 +16,11 @@ import shutil
 import grpc
 import pytest
 
-from ddiloco.protocol import certs
+from ddiloco.protocol import certs, wire
 from ddiloco.protocol.client import StreamClosed, get_status
-from ddiloco.protocol.credentials import Credentials
-from tests.scripted import ScriptedLearner, running_server, sync_config
+from ddiloco.protocol.credentials import Credentials, bearer_metadata
+from ddiloco.synchronizer import server as server_module
+from tests.scripted import ScriptedLearner, eventually, running_server, sync_config
 
 NOW = dt.datetime.now(dt.UTC)
 
@@ -153,6 +155,44 @@ async def test_tokens_file_is_reread_and_a_broken_one_keeps_the_old_tokens(tmp_p
         tokens.write_text("a: short\n")  # refused on reload: the previous table stays
         assert (await _connect(server.port, "a", None, token="token-of-learner-a-0002")).state
         assert await _refused(server.port, "a", None, token="short") == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _refusals(server) -> float:
+    return server.engine.metrics.auth_refusals.labels(reason="unknown_token")._value.get()
+
+
+async def test_a_refused_sync_stream_ends_only_after_its_first_message(tmp_path):
+    """Ended at once, the stream could close under the client's first write, and grpcio's asyncio
+    client then reports INTERNAL (the failed write) instead of UNAUTHENTICATED."""
+    cfg = sync_config(tmp_path / "state", auth_tokens={"a": "token-of-learner-a-0001"})
+    async with running_server(cfg) as server:
+        learner = ScriptedLearner(server.port, "a")
+        try:
+            call = wire.SynchronizerStub(learner.channel).Sync(metadata=bearer_metadata("token-of-learner-a-0009"))
+            await eventually(lambda: _refusals(server) == 1, what="the refusal")
+            await asyncio.sleep(0.3)
+            assert not call.done()  # the refusal waits for the Hello
+            await call.write(wire.learner_message_to_pb(learner.hello()))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            await learner.close()
+
+
+async def test_a_refused_sync_stream_that_never_writes_is_refused_after_a_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(server_module, "DENY_READ_S", 0.2)
+    cfg = sync_config(tmp_path / "state", auth_tokens={"a": "token-of-learner-a-0001"})
+    async with running_server(cfg) as server:
+        learner = ScriptedLearner(server.port, "a")
+        try:
+            call = wire.SynchronizerStub(learner.channel).Sync(metadata=bearer_metadata("token-of-learner-a-0009"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(call.read(), 30)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert _refusals(server) == 1
+        finally:
+            await learner.close()
 
 
 @pytest.mark.parametrize("content, message", [

@@ -25,6 +25,7 @@ something at least every ``idle_stream_timeout_s``, and each transfer within
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,12 +106,26 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return _deny_handler(details.method)
 
 
+DENY_READ_S = 10.0
+"""How long a refused Sync stream's first message is waited for before the refusal is sent."""
+
+
 def _deny_handler(method: str) -> grpc.RpcMethodHandler:
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
 
+    async def deny_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        # The refusal waits for the stream's first message (its Hello). Refused at once, the
+        # stream can close while the client's first write is on its way, and grpcio's asyncio
+        # client then reports that write's failure, INTERNAL, in place of the status the server
+        # sent (grpc/grpc#36066): a learner would take a refused token for a fault worth retrying.
+        # A client that never writes is refused after DENY_READ_S.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(context.read(), DENY_READ_S)
+        await deny(None, context)
+
     if method.endswith("/Sync"):
-        return grpc.stream_stream_rpc_method_handler(deny)
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
     if method.endswith("/FetchState"):
         return grpc.unary_stream_rpc_method_handler(deny)
     return grpc.unary_unary_rpc_method_handler(deny)
