@@ -12,6 +12,7 @@ import asyncio
 import datetime as dt
 import os
 import shutil
+import time
 
 import grpc
 import pytest
@@ -181,16 +182,48 @@ async def test_a_refused_sync_stream_ends_only_after_its_first_message(tmp_path)
 
 
 async def test_a_refused_sync_stream_that_never_writes_is_refused_after_a_bound(tmp_path, monkeypatch):
-    monkeypatch.setattr(server_module, "DENY_READ_S", 0.2)
+    assert server_module.DENY_READ_S >= 2.0
+    monkeypatch.setattr(server_module, "DENY_READ_S", 0.3)
     cfg = sync_config(tmp_path / "state", auth_tokens={"a": "token-of-learner-a-0001"})
     async with running_server(cfg) as server:
         learner = ScriptedLearner(server.port, "a")
         try:
+            began = time.monotonic()
             call = wire.SynchronizerStub(learner.channel).Sync(metadata=bearer_metadata("token-of-learner-a-0009"))
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await asyncio.wait_for(call.read(), 30)
+            took = time.monotonic() - began
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert 0.3 <= took < 2.0  # the bound as set here, not the default
             assert _refusals(server) == 1
+            assert server.interceptor.waiting == 0
+        finally:
+            await learner.close()
+
+
+async def test_refused_sync_streams_wait_for_their_first_message_up_to_a_number_then_are_refused_at_once(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(server_module, "DENY_READ_S", 60.0)
+    monkeypatch.setattr(server_module, "DENY_WAITING", 1)
+    cfg = sync_config(tmp_path / "state", auth_tokens={"a": "token-of-learner-a-0001"})
+    async with running_server(cfg) as server:
+        learner = ScriptedLearner(server.port, "a")
+        try:
+            stub = wire.SynchronizerStub(learner.channel)
+            bad = bearer_metadata("token-of-learner-a-0009")
+            first = stub.Sync(metadata=bad)
+            await eventually(lambda: server.interceptor.waiting == 1, what="the first refused stream waiting")
+            second = stub.Sync(metadata=bad)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(second.read(), 30)  # long before the first one's 60 s
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert not first.done()
+            await first.done_writing()  # the client closes its side: refused without waiting longer
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(first.read(), 30)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            await eventually(lambda: server.interceptor.waiting == 0, what="no refused stream waiting")
+            assert _refusals(server) == 2
         finally:
             await learner.close()
 

@@ -90,12 +90,30 @@ class _Violation(Exception):
         self.code, self.detail = code, detail
 
 
+DENY_READ_S = 2.0
+"""How long a Sync stream refused for its token waits for its first message before the refusal
+is sent (a learner writes its Hello at once)."""
+DENY_WAITING = 64
+"""How many refused Sync streams may wait for their first message at once; beyond that, a refusal
+is sent at once (a peer without a token cannot hold more of the server than this)."""
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without a known ``authorization: Bearer <token>`` (health checks are open)."""
+    """Refuses calls without a known ``authorization: Bearer <token>`` (health checks are open).
+
+    A refused Sync stream is closed once its first message (the Hello) has come, not at once:
+    closed at once, it can end while the client's first write is on its way, and grpcio's asyncio
+    client then reports that write's failure, INTERNAL, in place of the status the server sent
+    (grpc/grpc#36066), and a learner would take a refused token for a fault worth retrying. It is
+    closed sooner when the client closes its side, after ``DENY_READ_S`` without a message, and at
+    once while ``DENY_WAITING`` refused streams wait already. Only a client's first write is covered:
+    the learner writes its Hello and then reads."""
 
     def __init__(self, tokens: TokenTable, on_refusal: Any) -> None:
         self.tokens = tokens
         self.on_refusal = on_refusal
+        self.waiting = 0
+        """Refused Sync streams waiting for their first message now."""
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         if details.method.startswith("/grpc.health.v1.Health/"):
@@ -103,32 +121,25 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if self.tokens.identity(token_from_metadata(details.invocation_metadata)) is not None:
             return await continuation(details)
         self.on_refusal()
-        return _deny_handler(details.method)
+        if details.method.endswith("/Sync"):
+            return grpc.stream_stream_rpc_method_handler(self._deny_stream)
+        if details.method.endswith("/FetchState"):
+            return grpc.unary_stream_rpc_method_handler(_deny)
+        return grpc.unary_unary_rpc_method_handler(_deny)
+
+    async def _deny_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.waiting < DENY_WAITING:
+            self.waiting += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(context.read(), DENY_READ_S)
+            finally:
+                self.waiting -= 1
+        await _deny(None, context)
 
 
-DENY_READ_S = 10.0
-"""How long a refused Sync stream's first message is waited for before the refusal is sent."""
-
-
-def _deny_handler(method: str) -> grpc.RpcMethodHandler:
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
-
-    async def deny_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        # The refusal waits for the stream's first message (its Hello). Refused at once, the
-        # stream can close while the client's first write is on its way, and grpcio's asyncio
-        # client then reports that write's failure, INTERNAL, in place of the status the server
-        # sent (grpc/grpc#36066): a learner would take a refused token for a fault worth retrying.
-        # A client that never writes is refused after DENY_READ_S.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(context.read(), DENY_READ_S)
-        await deny(None, context)
-
-    if method.endswith("/Sync"):
-        return grpc.stream_stream_rpc_method_handler(deny_stream)
-    if method.endswith("/FetchState"):
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
+async def _deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,7 +357,8 @@ class SynchronizerServer:
                                    clock=self.engine.clock)
         self.health = health.aio.HealthServicer()
         refusal = self.parts.metrics.auth_refusals.labels(reason="unknown_token")
-        interceptors = [BearerTokenInterceptor(self.tokens, refusal.inc)] if self.tokens.enabled else []
+        self.interceptor = BearerTokenInterceptor(self.tokens, refusal.inc) if self.tokens.enabled else None
+        interceptors = [self.interceptor] if self.interceptor is not None else []
         self.server = grpc.aio.server(options=channel_options(cfg), interceptors=interceptors)
         self.servicer = SynchronizerServicer(self.engine, Gate(cfg, self.tokens), self.parts)
         wire.add_synchronizer_servicer(self.servicer, self.server)
