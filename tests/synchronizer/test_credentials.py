@@ -162,9 +162,10 @@ def _refusals(server) -> float:
     return server.engine.metrics.auth_refusals.labels(reason="unknown_token")._value.get()
 
 
-async def test_a_refused_sync_stream_ends_only_after_its_first_message(tmp_path):
+async def test_a_refused_sync_stream_ends_only_after_its_first_message(tmp_path, monkeypatch):
     """Ended at once, the stream could close under the client's first write, and grpcio's asyncio
     client then reports INTERNAL (the failed write) instead of UNAUTHENTICATED."""
+    monkeypatch.setattr(server_module, "DENY_READ_S", 60.0)  # no bound within reach of a slow machine
     cfg = sync_config(tmp_path / "state", auth_tokens={"a": "token-of-learner-a-0001"})
     async with running_server(cfg) as server:
         learner = ScriptedLearner(server.port, "a")

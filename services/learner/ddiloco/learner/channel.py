@@ -36,11 +36,12 @@ _READ = 1 << 18
 
 class Channel:
     """A connected stream socket (``send``: another one to write to), framed as ``Connection``
-    frames. Reads: ``ready`` (wait for something to read), ``fill`` (one read that never waits) then ``buffered`` (the complete
-    messages it brought, one at a time; ``partial`` after them: the rest of one is on its way),
-    ``message`` (both: the next complete message, if it can be had without waiting), ``read_into``
-    (the next message, which must be exactly as long as the buffer, waiting for it). Raises
-    ``EOFError`` once the other end closed and every complete message was taken."""
+    frames. Reads: ``ready`` (wait for something to read), ``fill`` (one read that never waits)
+    then ``buffered`` (the complete messages it brought, one at a time; ``partial`` after them: the
+    rest of one is on its way), ``message`` (both: the next complete message, if it can be had
+    without waiting), ``read_into`` (the next message, which must be exactly as long as the
+    buffer, waiting for it). Raises ``EOFError`` once the other end closed and every complete
+    message was taken."""
 
     def __init__(self, sock: socket.socket, send: socket.socket | None = None) -> None:
         self.sock = sock
