@@ -6,24 +6,29 @@ norm guard does not see it: the update's size is honest, only its weight is not.
 is not an attack but a training loop that counts wrongly (bytes for tokens, the global batch on
 every rank of a multi-process learner).
 
-The guard compares each answer's tokens per inner step with the median of the last ``window``
-accepted answers of the fleet (tokens per step is a property of the learner's batch, the same for
-every fragment, so the history is the fleet's, not the fragment's). Beyond ``factor`` times that
-median the answer is refused (``weight_outlier``), and the refusal says what was expected.
-Learners whose batches differ by up to ``factor`` pass. The median is robust: up to
-half of the recent answers may be inflated before it moves, and refused answers never enter the
-history. Until ``min_history`` answers are known the guard only records.
+The guard compares each answer's tokens per inner step with the fleet's typical figure
+(tokens per step is a property of the learner's batch, the same for every fragment, so the
+history is the fleet's, not the fragment's): the lower median of the learners' own medians over
+their last ``window`` admitted answers (``identity_median``), so one learner counts once however
+many answers it sends. Beyond ``factor`` times that figure the answer is refused
+(``weight_outlier``), and the refusal says what was expected. Learners whose batches differ by up
+to ``factor`` pass.
+
+``judge`` only judges; the admission records an answer (``record``) once every other check has
+passed too, so an answer refused later (a payload that does not decode, a norm outlier) never
+enters the history. The guard acts from the first recorded answer (``min_history``, default 1):
+the fleet's first answers are bounded by ``factor`` times the first one, and a learner that answers
+first cannot set the fleet's figure unchecked (tokens per step does not warm up as norms do).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic.dataclasses import dataclass as config_dataclass
 
+from ddiloco.algorithm.identity_median import IdentityMedians
 from ddiloco.algorithm.norm_guard import check_median_bound
 from ddiloco.core.config import STRICT
 
@@ -40,9 +45,11 @@ class WeightGuardPolicy:
     8x the tokens per step), so the default passes 8x; a fleet of equal learners may set 2-4,
     which also catches a loop that counts bytes instead of tokens."""
     window: int = 64
-    """Accepted answers the median is taken over."""
-    min_history: int = 8
-    """Answers the fleet must have given before the guard acts."""
+    """Admitted answers per learner its median is taken over."""
+    min_history: int = 1
+    """Admitted answers the fleet must have given before the guard acts (until then every answer
+    passes and is recorded). 1: from the first answer on, the warm-up admits at most ``factor``
+    times the first answer's tokens per step."""
 
     def __post_init__(self) -> None:
         check_median_bound("weight guard", self.factor, self.window, self.min_history)
@@ -55,21 +62,22 @@ class WeightVerdict:
 
 
 class WeightGuard:
-    """The fleet's recent tokens per step and the verdict for each new answer."""
+    """The fleet's recent tokens per step, per learner, and the verdict for each new answer."""
 
     def __init__(self, policy: WeightGuardPolicy) -> None:
         self.policy = policy
-        self._history: deque[float] = deque(maxlen=policy.window)
+        self._history = IdentityMedians(policy.window)
 
     def bound(self) -> float | None:
         """The most tokens per step that pass now (None: not enough history)."""
-        if len(self._history) < self.policy.min_history:
+        if self._history.count < self.policy.min_history:
             return None
-        return self.policy.factor * statistics.median(self._history)
+        typical = self._history.typical()
+        return None if typical is None else self.policy.factor * typical
 
     def judge(self, tokens: int, steps: int) -> WeightVerdict:
-        """The verdict for an answer claiming ``tokens`` over ``steps`` inner steps; an accepted
-        one joins the history."""
+        """The verdict for an answer claiming ``tokens`` over ``steps`` inner steps. Nothing is
+        recorded: the caller records the answer once it is admitted."""
         if self.policy.action == "off":
             return WeightVerdict(True)
         per_step = tokens / max(1, steps)
@@ -80,5 +88,9 @@ class WeightGuard:
                                         f"than {self.policy.factor:g}x the fleet's recent answers (median "
                                         f"{typical:.6g} per step): a loop that counts bytes or the global batch "
                                         f"on every rank looks like this")
-        self._history.append(per_step)
         return WeightVerdict(True)
+
+    def record(self, identity: str, tokens: int, steps: int) -> None:
+        """An answer of ``identity`` was admitted: its tokens per step join its history."""
+        if self.policy.action != "off":
+            self._history.record(identity, tokens / max(1, steps))

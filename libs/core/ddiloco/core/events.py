@@ -59,6 +59,7 @@ SYNC_STOP = "sync_stop"
 MERGE = "merge"
 REJECT = "reject"
 NORM_CLIP = "norm_clip"
+CLAIM_BOUND = "claim_bound"
 # faults log
 FAULT = "fault"
 # torchft replica log (with STEP and END)
@@ -196,6 +197,11 @@ _SPECS: tuple[EventSpec, ...] = (
     _E(SYNCHRONIZER_LOG, NORM_CLIP, "a contribution clipped by the norm guard",
        {"learner_id": "its learner", "fragment": "its fragment", "sequence": "its sequence number",
         "detail": "the norms"}),
+    _E(SYNCHRONIZER_LOG, CLAIM_BOUND, "a contribution merged with fewer steps (and tokens) than it claimed: the "
+                                      "claim guard's bound",
+       {"learner_id": "its learner", "fragment": "its fragment", "sequence": "its sequence number",
+        "steps": "the steps it is merged with", "tokens": "the tokens it is merged with",
+        "detail": "what it claimed and why that was cut"}),
     # -- faults --------------------------------------------------------------------------------
     _E(FAULTS_LOG, FAULT, "a fault injected: the plan's fault event, and whether it worked",
        {"kind": "what broke", "at_s": "due seconds after the start, or null", "at_step": "due step, or null",
@@ -297,7 +303,7 @@ def reference_markdown() -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["APPLY", "COMM_RESTART", "CONNECT", "DISCONNECT", "DOC_BEGIN", "DOC_END", "DROPPED", "END", "ERROR", "EVAL", "FAULT",
+__all__ = ["APPLY", "CLAIM_BOUND", "COMM_RESTART", "CONNECT", "DISCONNECT", "DOC_BEGIN", "DOC_END", "DROPPED", "END", "ERROR", "EVAL", "FAULT",
            "FAULTS_LOG", "FLUSHED", "HEAL", "LEARNER_LOG", "LOGS", "MERGE", "NORM_CLIP", "PHASE", "POISONED", "READY",
            "REGISTRY", "REJECT", "RESULT", "SEND", "SKIP", "START", "STEP", "STRICT_ENV", "SYNC", "SYNCHRONIZER_LOG",
            "SYNC_START", "SYNC_STOP", "TORCHFT_LOG", "EventSchemaError", "EventSpec", "LogSpec", "names",

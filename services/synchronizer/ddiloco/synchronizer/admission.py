@@ -9,13 +9,20 @@ Every check that can refuse input lives here, in the order it is made, each with
   ``genesis``), global state ready, a fragment this shard owns, the global layout, tokens and
   steps > 0, not a contribution already merged (a re-send after a reconnect is answered, never
   merged twice), a base within the staleness window (``staleness_verdict``, the same rule the
-  merge applies), tokens per step within the weight guard's bound (``weight_outlier``:
+  merge applies), steps within what the synchronizer can account for from the learner's own pace
+  and the time since its last admitted contribution of the fragment (``ddiloco.algorithm.
+  claim_guard``: a claim beyond it is merged as the bound, or refused as ``claim_outlier``),
+  tokens per step within the weight guard's bound (``weight_outlier``:
   ``ddiloco.algorithm.weight_guard``; token weights grow with the square of the tokens claimed),
   and a payload that decodes to finite values of the right shapes. A learner
   whose payload is refused for its content stops counting as live (``LearnerRecord.faulty``)
   until a good one arrives, so no round waits for what it cannot give. Last, with
-  ``norm_guard`` on, a norm per step within ``factor`` times the fragment's recent median
-  (``ddiloco.algorithm.norm_guard``): an outlier is refused (``norm_outlier``) or clipped.
+  ``norm_guard`` on, a norm per (admitted) step within ``factor`` times the fragment's typical
+  one (``ddiloco.algorithm.norm_guard``): an outlier is refused (``norm_outlier``) or clipped.
+
+Only a contribution that passed every check is recorded in the guards' histories (its pace, its
+tokens per step, its norm), each under its learner's identity, so neither refused answers nor one
+learner's many answers move the bounds the fleet is judged by (``ddiloco.algorithm.identity_median``).
 
 A refused contribution is answered with a reason (``Ledger.reject``); the global model is never
 touched by it. Framing faults (corrupt, reordered, oversized chunks) are caught earlier, by
@@ -24,11 +31,13 @@ reassembly in the server, and end the stream.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 
+from ddiloco.algorithm.claim_guard import ClaimGuard
 from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.round import staleness_verdict
 from ddiloco.algorithm.weight_guard import WeightGuard, WeightGuardPolicy
@@ -89,7 +98,8 @@ class Admission:
     def __init__(self, *, ledger: Ledger, staleness_window: int, shard: str,
                  run_blocking: Callable[..., Awaitable[Any]], codec_threads: int,
                  norm_guard: NormGuard, on_clip: Callable[[Contribution, str], None],
-                 weight_guard: WeightGuard | None = None) -> None:
+                 weight_guard: WeightGuard | None = None, claim_guard: ClaimGuard | None = None,
+                 on_bound: Callable[[Contribution, str], None] | None = None) -> None:
         self.ledger = ledger
         self.window = staleness_window
         self.shard = shard
@@ -99,10 +109,13 @@ class Admission:
         self.norm_guard = norm_guard
         self.on_clip = on_clip
         self.weight_guard = weight_guard or WeightGuard(WeightGuardPolicy(action="off"))
+        self.claim_guard = claim_guard
+        self.on_bound = on_bound
 
     async def admit(self, rec: LearnerRecord, transfer: Transfer, c: Contribution,
-                    state: LoadedState | None) -> torch.Tensor | None:
-        """The decoded outer gradient of an admissible contribution, or None (rejected, answered)."""
+                    state: LoadedState | None) -> tuple[Contribution, torch.Tensor] | None:
+        """An admissible contribution (with the steps and tokens it is merged with, which the claim
+        guard may have cut) and its decoded outer gradient, or None (rejected, answered)."""
         h = transfer.header
         if h.kind != "contribution":
             return self._reject(c, "protocol", f"learners may not send {h.kind} transfers")
@@ -126,7 +139,16 @@ class Admission:
         if verdict is not None:
             self.ledger.reject(c, verdict.reason, verdict.detail, resync=True)
             return None
-        weight = self.weight_guard.judge(h.tokens, h.steps)
+        claim = None
+        if self.claim_guard is not None:
+            claim = self.claim_guard.judge(rec.learner_id, h.fragment_id, steps=h.steps, tokens=h.tokens,
+                                           now=c.arrived_at)
+            if claim.action == "reject":
+                rec.faulty = "claim_outlier"
+                return self._reject(c, "claim_outlier", claim.detail)
+            if claim.action == "bound":
+                c = dataclasses.replace(c, steps=claim.steps, tokens=claim.tokens)
+        weight = self.weight_guard.judge(c.tokens, c.steps)
         if not weight.accept:
             rec.faulty = "weight_outlier"
             return self._reject(c, "weight_outlier", weight.detail)
@@ -139,13 +161,19 @@ class Admission:
             return self._reject(c, exc.reason.lower(), str(exc))
         rec.faulty = ""
         if self.norm_guard.policy.action != "off":
-            verdict = self.norm_guard.judge(h.fragment_id, float(torch.linalg.vector_norm(delta)), h.steps)
+            verdict = self.norm_guard.judge(h.fragment_id, float(torch.linalg.vector_norm(delta)), c.steps,
+                                            rec.learner_id)
             if verdict.action == "reject":
                 return self._reject(c, "norm_outlier", verdict.detail)
             if verdict.action == "clip":
                 delta.mul_(verdict.scale)
                 self.on_clip(c, verdict.detail)
-        return delta
+        self.weight_guard.record(rec.learner_id, c.tokens, c.steps)
+        if self.claim_guard is not None:
+            self.claim_guard.admitted(rec.learner_id, h.fragment_id, c.steps, c.arrived_at)
+        if claim is not None and claim.action == "bound" and self.on_bound is not None:
+            self.on_bound(c, claim.detail)  # admitted, with the bounded counters
+        return c, delta
 
     def _reject(self, c: Contribution, reason: str, detail: str) -> None:
         self.ledger.reject(c, reason, detail)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic.dataclasses import dataclass
 
+from ddiloco.algorithm.claim_guard import ClaimGuardPolicy
 from ddiloco.algorithm.norm_guard import NormGuardPolicy
 from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.algorithm.weight_guard import WeightGuardPolicy
@@ -166,6 +167,9 @@ class SynchronizerConfig:
     """Refuse or clip a contribution whose norm is an outlier against the fragment's recent ones."""
     weight_guard: WeightGuardPolicy = field(default_factory=WeightGuardPolicy)
     """Refuse an answer that claims more tokens per step than the fleet's recent answers allow."""
+    claim_guard: ClaimGuardPolicy = field(default_factory=ClaimGuardPolicy)
+    """Bound the inner steps an answer claims by the learner's own pace and the time since its last
+    admitted answer of the fragment (merged as the bound, or refused)."""
     tls_cert: str | None = None
     """PEM server certificate (with tls_key): serve TLS."""
     tls_key: str | None = None

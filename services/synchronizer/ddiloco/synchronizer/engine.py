@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ddiloco.algorithm.claim_guard import ClaimGuard
 from ddiloco.algorithm.fleet_clock import FleetClock, fleet_pace
 from ddiloco.algorithm.norm_guard import NormGuard
 from ddiloco.algorithm.outer_optimizer import OuterNesterov
@@ -101,7 +102,9 @@ class Engine:
                                    shard=f"{cfg.shard_index}/{cfg.shard_count} (P={cfg.protocol.num_fragments})",
                                    run_blocking=self.run_blocking, codec_threads=cfg.codec_threads,
                                    norm_guard=NormGuard(cfg.norm_guard), on_clip=self._clipped,
-                                   weight_guard=WeightGuard(cfg.weight_guard))
+                                   weight_guard=WeightGuard(cfg.weight_guard),
+                                   claim_guard=ClaimGuard(cfg.claim_guard, period_steps=cfg.protocol.sync_every),
+                                   on_bound=self._bounded)
         self.genesis = Genesis(store=self.store, ledger=self.ledger, num_fragments=cfg.protocol.num_fragments,
                                owned=self.owned, shard=(cfg.shard_index, cfg.shard_count),
                                protocol=to_dict(self.protocol_params()), history=cfg.staleness_window,
@@ -307,9 +310,10 @@ class Engine:
                 self.log.info("genesis committed", learner_id=rec.learner_id, fragments=len(state.fragments),
                               layout_hash=state.layout_hash, model_fingerprint=state.model_fingerprint)
             return
-        delta = await self.admission.admit(rec, transfer, c, self.state)
-        if delta is None:
+        admitted = await self.admission.admit(rec, transfer, c, self.state)
+        if admitted is None:
             return
+        c, delta = admitted
         replaced = self.rounds[c.fragment].add(c, delta)
         if replaced is not None:
             self.ledger.superseded(rec, replaced, by=c.sequence)
@@ -320,6 +324,14 @@ class Engine:
                          fragment=c.fragment, sequence=c.sequence, detail=detail)
         self.ledger.event({"event": schema.NORM_CLIP, "learner_id": c.learner_id, "fragment": c.fragment,
                            "sequence": c.sequence, "detail": detail})
+
+    def _bounded(self, c: Contribution, detail: str) -> None:
+        self.metrics.claims_bounded.inc()
+        self.log.warning("contribution's claimed steps bounded by the claim guard", learner_id=c.learner_id,
+                         fragment=c.fragment, version=c.base_version, sequence=c.sequence, steps=c.steps,
+                         tokens=c.tokens, detail=detail)
+        self.ledger.event({"event": schema.CLAIM_BOUND, "learner_id": c.learner_id, "fragment": c.fragment,
+                           "sequence": c.sequence, "steps": c.steps, "tokens": c.tokens, "detail": detail})
 
     def reject_framing(self, rec: LearnerRecord, header: Any, reason: str, detail: str) -> None:
         """A transfer broke the stream's framing; it is rejected (the stream is closed by the caller)."""

@@ -89,6 +89,9 @@ class SynchronizerMetrics:
         self.connected_learners = Gauge("ddiloco_sync_connected_learners", "Open Sync streams", registry=r)
         self.norm_clipped = Counter("ddiloco_sync_norm_clipped_total",
                                     "Contributions scaled down by the norm guard", registry=r)
+        self.claims_bounded = Counter("ddiloco_sync_claims_bounded_total",
+                                      "Contributions merged with fewer steps than they claimed (the claim guard)",
+                                      registry=r)
         self.limit_refusals = Counter("ddiloco_sync_limit_refusals_total",
                                       "Streams and transfers refused by a resource limit", ["limit"], registry=r)
         self.auth_refusals = Counter("ddiloco_sync_auth_refusals_total",

@@ -1,0 +1,96 @@
+"""The claim guard (``ddiloco.algorithm.claim_guard``): the steps a contribution may claim are
+bounded by the time the synchronizer saw pass and the learner's own pace."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ddiloco.algorithm.claim_guard import ClaimGuard, ClaimGuardPolicy
+
+H = 24
+
+
+def _run(guard: ClaimGuard, identity: str, *, steps_per_s: float, seconds: float, start: float = 0.0,
+         fragments: int = 4, claim: float = 1.0) -> float:
+    """``identity`` answers every fragment once per period (H steps at ``steps_per_s``) for
+    ``seconds``, claiming ``claim`` times the steps it trained; every answer admitted as the guard
+    rules. Returns the time it ends at."""
+    period = H / steps_per_s
+    now = start
+    while now < start + seconds:
+        for p in range(fragments):
+            t = now + p * period / fragments
+            verdict = guard.judge(identity, p, steps=round(H * claim), tokens=round(H * claim) * 100, now=t)
+            assert verdict.action != "reject"
+            guard.admitted(identity, p, verdict.steps, t)
+        now += period
+    return now
+
+
+def test_honest_learners_at_any_speed_are_never_bounded() -> None:
+    guard = ClaimGuard(ClaimGuardPolicy(), period_steps=H)
+    for who in ("cpu-1", "cpu-2", "gpu"):  # first answers of one period each, whatever their speed
+        for p in range(4):
+            assert guard.judge(who, p, steps=H, tokens=H * 100, now=0.0).action == "accept"
+    end = _run(guard, "cpu-1", steps_per_s=2.0, seconds=60)
+    _run(guard, "gpu", steps_per_s=40.0, seconds=60)
+    # A learner cut off for 30 s that kept training: its answer carries 30 s of its steps.
+    assert guard.judge("cpu-1", 0, steps=H + 60, tokens=(H + 60) * 100, now=end + 30).action == "accept"
+
+
+def test_a_claim_beyond_the_bound_is_cut_to_it_tokens_in_proportion() -> None:
+    guard = ClaimGuard(ClaimGuardPolicy(), period_steps=H)
+    end = _run(guard, "honest", steps_per_s=2.0, seconds=120)
+    end = max(end, _run(guard, "liar", steps_per_s=2.0, seconds=120))
+    bound = guard.bound("liar", 0, end + 12)
+    assert bound == H + 2 * 2.0 * 24, "one period of slack + growth x its pace x the 24 s since its last answer of 0"
+    verdict = guard.judge("liar", 0, steps=1000 * H, tokens=1000 * H * 100, now=end + 12)
+    assert verdict.action == "bound" and verdict.steps == bound and verdict.tokens == bound * 100
+    assert f"claims {1000 * H} steps" in verdict.detail and f"than the {bound}" in verdict.detail
+    strict = ClaimGuard(ClaimGuardPolicy(action="reject"), period_steps=H)
+    assert strict.judge("x", 0, steps=1000 * H, tokens=1, now=0.0).action == "reject"
+
+
+def test_a_newcomer_may_claim_growth_times_one_period() -> None:
+    guard = ClaimGuard(ClaimGuardPolicy(growth=2.0), period_steps=H)
+    assert guard.bound("new", 3, 100.0) == 2 * H
+    assert guard.judge("new", 3, steps=2 * H, tokens=1, now=100.0).action == "accept"
+    assert guard.judge("new", 3, steps=2 * H + 1, tokens=1, now=100.0).action == "bound"
+
+
+def test_a_patient_liar_grows_by_a_bounded_factor_and_stops_at_the_fleets_cap() -> None:
+    """Claiming the bound on every answer, a newcomer starts at growth x the fleet's pace; its own
+    pace counts once half its window holds it, grows by about growth + 1 per half window after
+    that, and never passes fleet_factor x the honest learners' pace."""
+    policy = ClaimGuardPolicy(growth=2.0, fleet_factor=16.0, window=8)
+    guard = ClaimGuard(policy, period_steps=H)
+    period = H / 2.0  # the honest learner: 2 steps/s
+    for t in range(0, 1200, int(period)):
+        for p in range(4):
+            guard.admitted("honest", p, H, float(t + p))
+    claimed = []
+    for k in range(40):  # the liar answers fragment 0 every period, claiming all it may
+        now = float(k * period)
+        bound = guard.bound("liar", 0, now)
+        assert bound is not None
+        guard.admitted("liar", 0, bound, now)
+        claimed.append(bound)
+    assert claimed[0] == 2 * H, "no earlier answer of the fragment: growth x one period"
+    assert claimed[1:5] == [H + 2 * 2 * 12] * 4, "growth x the fleet's pace until half its window is its own"
+    assert all(b <= (2 + 1) * a for a, b in itertools.pairwise(claimed))
+    rate = guard.rate("liar")
+    assert rate is not None and rate == 16.0 * 2.0, "capped at fleet_factor x the honest pace"
+    assert max(claimed) == H + 16 * 2 * 12
+
+
+def test_off_trusts_every_claim_and_bad_settings_are_refused() -> None:
+    guard = ClaimGuard(ClaimGuardPolicy(action="off"), period_steps=H)
+    assert guard.judge("a", 0, steps=10**9, tokens=10**9, now=0.0).action == "accept"
+    assert guard.bound("a", 0, 0.0) is None
+    for bad in ({"growth": 0.5}, {"fleet_factor": float("inf")}, {"slack_periods": 0}, {"window": 0}):
+        with pytest.raises(ValueError, match="claim guard"):
+            ClaimGuardPolicy(**bad)
+    with pytest.raises(ValueError, match="period_steps"):
+        ClaimGuard(ClaimGuardPolicy(), period_steps=0)

@@ -1,0 +1,133 @@
+"""What a learner's counters may claim, against a real synchronizer on loopback.
+
+The steps and tokens of a contribution are the learner's word. These tests are the hostile
+learners of the security review, scripted over real gRPC: one that claims 1000x the steps (and
+the tokens, keeping its tokens per step honest) with a 1000x update, which used to pass the norm
+guard (it judges the norm per claimed step) and move a fragment 1,500 times as far as an honest
+merge; and one that answers many times just under the weight guard's bound, or with payloads
+that are refused, to drag the bound up after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddiloco.algorithm.policies import QuorumPolicy
+from ddiloco.algorithm.weight_guard import WeightGuardPolicy
+from tests.scripted import ScriptedLearner, genesis_learner, running_server, sync_config
+
+
+def _config(tmp_path, **kw):  # type: ignore[no-untyped-def]
+    return sync_config(tmp_path, policy=QuorumPolicy(quorum=1, grace_gamma=0.0, max_grace_s=0.0), **kw)
+
+
+def _snapshot(server) -> dict[int, tuple[torch.Tensor, int]]:  # type: ignore[no-untyped-def]
+    return {p: (f.params.clone(), f.version) for p, f in server.engine.fragments.items()}
+
+
+def _counted(server, outcome: str, reason: str) -> float:  # type: ignore[no-untyped-def]
+    return server.engine.metrics.contributions.labels(outcome=outcome, reason=reason)._value.get()
+
+
+async def _joined(server, learner_id: str) -> ScriptedLearner:  # type: ignore[no-untyped-def]
+    learner = ScriptedLearner(server.port, learner_id)
+    await learner.connect()
+    learner.start_pump()
+    return learner
+
+
+async def test_a_learner_claiming_1000x_the_steps_cannot_move_a_fragment(tmp_path) -> None:
+    async with running_server(_config(tmp_path)) as server:
+        a = await genesis_learner(server)
+        liar = await _joined(server, "liar")
+        numel = a.layout[0].numel
+        honest = torch.full((numel,), 0.01)
+        version = 0
+        for i in range(10):  # both answer honestly: the fragment's norms and the liar's own record
+            who = a if i % 2 == 0 else liar
+            seq = await who.contribute(0, honest, base_version=version, tokens=1000, steps=4)
+            assert (await who.wait_result(seq)).outcome == "merged"
+            version += 1
+        before = _snapshot(server)
+        seq = await liar.contribute(0, honest * 1000, base_version=version, tokens=1000 * 1000, steps=4 * 1000)
+        result = await liar.wait_result(seq)
+        assert (result.outcome, result.reason) == ("rejected", "norm_outlier"), result
+        assert "over" in result.detail and "4000 steps" not in result.detail, "judged per admitted step"
+        for p, (params, v) in before.items():
+            assert server.engine.fragments[p].version == v and torch.equal(server.engine.fragments[p].params, params)
+        # An honest answer right after is merged as it claims.
+        seq = await a.contribute(0, honest, base_version=version, tokens=1000, steps=4)
+        merged = await a.wait_result(seq)
+        assert merged.outcome == "merged"
+        assert server.engine.metrics.claims_bounded._value.get() == 0, "counted only where it merged bounded"
+        await liar.close()
+        await a.close()
+
+
+async def test_claimed_steps_beyond_the_bound_are_merged_as_the_bound(tmp_path) -> None:
+    """An update of honest size over inflated counters: merged, with the steps (and tokens, in
+    proportion) the synchronizer can account for, so its weight beside an honest learner's is not
+    1000x."""
+    async with running_server(_config(tmp_path)) as server:
+        a = await genesis_learner(server)
+        numel = a.layout[0].numel
+        seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=0, tokens=250 * 4000, steps=4000)
+        result = await a.wait_result(seq)
+        assert result.outcome == "merged"
+        assert server.engine.metrics.claims_bounded._value.get() == 1
+        bound = server.engine.admission.claim_guard.policy.growth * server.engine.cfg.protocol.sync_every
+        merged = server.engine.membership.learners["a"].tokens_merged
+        assert merged == 250 * bound, "a first answer: growth x one period, tokens per step kept"
+        await a.close()
+
+
+async def test_one_learner_answering_just_under_the_weight_bound_cannot_raise_it(tmp_path) -> None:
+    """The review's reproduction: 120 answers of one learner, each just under the bound, raised the
+    weight bound from 2,000 to 986,072, after which a 60x claim merged."""
+    async with running_server(_config(tmp_path, weight_guard=WeightGuardPolicy(min_history=3))) as server:
+        a = await genesis_learner(server)
+        liar = await _joined(server, "liar")
+        numel = a.layout[0].numel
+        small = torch.full((numel,), 1e-4)
+        small_1 = torch.full((a.layout[1].numel,), 1e-4)
+        guard = server.engine.admission.weight_guard
+        for v in range(3):
+            seq = await a.contribute(0, small, base_version=v, tokens=1000, steps=4)
+            assert (await a.wait_result(seq)).outcome == "merged"
+        assert guard.bound() == 8 * 250
+        version = 3
+        for _ in range(120):
+            bound = guard.bound()
+            assert bound is not None
+            seq = await liar.contribute(1, small_1, base_version=server.engine.fragments[1].version,
+                                        tokens=int(bound * 0.99), steps=1)
+            assert (await liar.wait_result(seq)).outcome == "merged"
+        assert guard.bound() == 8 * 250, "one identity counts once: the honest learner's figure stands"
+        seq = await liar.contribute(0, small, base_version=version, tokens=60 * 1000, steps=4)
+        result = await liar.wait_result(seq)
+        assert (result.outcome, result.reason) == ("rejected", "weight_outlier")
+        await liar.close()
+        await a.close()
+
+
+async def test_refused_answers_never_enter_the_weight_guards_history(tmp_path) -> None:
+    """80 answers, each refused as non_finite after the weight guard judged it, raised the bound
+    62x: the guard recorded every answer it judged, before the payload was decoded."""
+    async with running_server(_config(tmp_path, weight_guard=WeightGuardPolicy(min_history=3))) as server:
+        a = await genesis_learner(server)
+        liar = await _joined(server, "liar")
+        numel = a.layout[0].numel
+        guard = server.engine.admission.weight_guard
+        for v in range(3):
+            seq = await a.contribute(0, torch.full((numel,), 1e-4), base_version=v, tokens=1000, steps=4)
+            assert (await a.wait_result(seq)).outcome == "merged"
+        poisoned = torch.full((numel,), float("nan"))
+        for _ in range(80):
+            bound = guard.bound()
+            assert bound is not None
+            seq = await liar.contribute(0, poisoned, base_version=3, tokens=int(bound * 0.99), steps=1)
+            assert (await liar.wait_result(seq)).reason == "non_finite"
+        assert guard.bound() == 8 * 250
+        assert _counted(server, "rejected", "non_finite") == 80
+        await liar.close()
+        await a.close()
