@@ -60,6 +60,19 @@ def test_superseding_a_summed_entry_keeps_what_it_carries() -> None:
     torch.testing.assert_close(sealed.deltas, vec(8, 8)[None])
 
 
+def test_summing_a_third_time_counts_each_part_once() -> None:
+    """An entry that already carried one contribution was carried whole (its tokens included what it
+    carried) when a third arrived: 5, 10 and 7 tokens on bases 0, 1 and 2 made an entry of 27
+    tokens and 7 steps instead of 22 and 6, and the middle part reported 15 tokens."""
+    box = Inbox(3)
+    box.add(contrib(1, 0, tokens=5, steps=1), vec(1, 0, 0))
+    box.add(contrib(2, 1, tokens=10, steps=2), vec(0, 1, 0))
+    box.add(contrib(3, 2, tokens=7, steps=3), vec(0, 0, 1))
+    (e,) = box.seal().entries
+    assert (e.tokens, e.steps) == (22, 6)
+    assert sorted((p.sequence, p.tokens, p.steps) for p in e.parts()) == [(1, 5, 1), (2, 10, 2), (3, 7, 3)]
+
+
 def test_other_learners_keep_their_own_slots() -> None:
     box = Inbox(2, capacity=1)
     box.add(contrib(1, 0, lid="a"), vec(1, 0))

@@ -222,6 +222,7 @@ class Engine:
             rec.outbox.wake()
         self.pool.shutdown(wait=True)
         self.ledger.close()
+        self.store.close()  # the state dir's lock: another synchronizer may take it from now on
 
     async def run_blocking(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))

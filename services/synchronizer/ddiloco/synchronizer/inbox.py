@@ -126,10 +126,13 @@ class Inbox:
                 row.copy_(delta)
             else:
                 torch.add(carry, delta, out=row)
-            return dataclasses.replace(older, carried=())
-        # Not contained in the newer one: keep the older progress (the row so far) and add.
+            return older.parts()[0]
+        # Not contained in the newer one: keep the older progress (the row so far) and add. The
+        # older entry's own part only: its tokens and steps already include what it carries, which
+        # joins the new entry part by part (taken whole, a third summed contribution counted the
+        # carried ones twice and weighed the row by tokens no learner trained).
         self._carry[slot] = row.clone()
-        carried = (*older.carried, dataclasses.replace(older, carried=()))
+        carried = (*older.carried, older.parts()[0])
         self._entries[slot] = dataclasses.replace(
             contribution, carried=carried, tokens=contribution.tokens + sum(k.tokens for k in carried),
             steps=contribution.steps + sum(k.steps for k in carried))

@@ -7,6 +7,13 @@ into it answers each of them), to the Prometheus metrics, to the structured log,
 log (one JSON line per start, merge and rejection: what the accounting of a run reads; the
 learner's own log may be lost with its process). The event log's events and their fields are
 defined in ``ddiloco.core.events`` (the synchronizer log); ``event`` checks each line against them.
+
+A result goes only to the process that sent the contribution. Sequence numbers are per process:
+a restarted learner (a new incarnation under the same id) numbers its contributions from 1 again,
+so an outcome of its previous process decided after the restart (the contribution waited in an
+inbox, was in a merge, or rides in the new process's summed slot) would read to the new process
+as the outcome of its own contribution of that number. Such an outcome is counted, logged and
+written to the event log (with its incarnation) like any other, and not sent.
 """
 
 from __future__ import annotations
@@ -61,9 +68,9 @@ class Ledger:
             self.metrics.contributions.labels("merged", "").inc()
             if rec is not None:
                 rec.merged += 1
-                self.send_result(rec, ContributionResult(sequence=part.sequence, fragment_id=part.fragment,
-                                                         outcome="merged", version=version, weight=weight,
-                                                         staleness=staleness))
+                self._answer(rec, part, ContributionResult(sequence=part.sequence, fragment_id=part.fragment,
+                                                           outcome="merged", version=version, weight=weight,
+                                                           staleness=staleness))
 
     def duplicate(self, rec: LearnerRecord, sequence: int, fragment: int, version: int) -> None:
         """A contribution sent again after a reconnect: answered merged, never merged twice."""
@@ -71,11 +78,16 @@ class Ledger:
         self.send_result(rec, ContributionResult(sequence=sequence, fragment_id=fragment, outcome="merged",
                                                  version=version, detail="duplicate of a merged contribution"))
 
-    def superseded(self, rec: LearnerRecord, replaced: Contribution, by: int) -> None:
-        rec.superseded += 1
+    def superseded(self, rec: LearnerRecord | None, replaced: Contribution, by: int) -> None:
+        """``replaced`` holds nothing the same learner's contribution ``by`` does not; ``rec``: its
+        learner's record (None: looked up by id; a learner forgotten since is only counted)."""
         self.metrics.contributions.labels("superseded", "").inc()
-        self.send_result(rec, ContributionResult(sequence=replaced.sequence, fragment_id=replaced.fragment,
-                                                 outcome="superseded", detail=f"replaced by contribution {by}"))
+        rec = rec if rec is not None else self.membership.learners.get(replaced.learner_id)
+        if rec is None:
+            return
+        rec.superseded += 1
+        self._answer(rec, replaced, ContributionResult(sequence=replaced.sequence, fragment_id=replaced.fragment,
+                                                       outcome="superseded", detail=f"replaced by contribution {by}"))
 
     def reject(self, c: Contribution, reason: str, detail: str, *, resync: bool = False) -> None:
         """Reject ``c`` and every older contribution summed into it, each answered on its own;
@@ -89,9 +101,9 @@ class Ledger:
                              version=part.base_version, sequence=part.sequence, reason=reason, detail=detail)
             if rec is not None:
                 rec.rejected += 1
-                self.send_result(rec, ContributionResult(sequence=part.sequence, fragment_id=part.fragment,
-                                                         outcome="rejected", reason=reason, detail=detail))
-        if rec is not None and resync:
+                self._answer(rec, part, ContributionResult(sequence=part.sequence, fragment_id=part.fragment,
+                                                           outcome="rejected", reason=reason, detail=detail))
+        if rec is not None and resync and c.incarnation == rec.incarnation:
             rec.outbox.put_control(Resync(fragment_ids=(c.fragment,), reason=reason, detail=detail))
 
     def reject_stream(self, rec: LearnerRecord, reason: str, detail: str) -> None:
@@ -103,6 +115,17 @@ class Ledger:
         self.rejected_by_reason[reason] += 1
         self.tokens_rejected += tokens
         self.metrics.contributions.labels("rejected", reason).inc()
+
+    def _answer(self, rec: LearnerRecord, part: Contribution, result: ContributionResult) -> None:
+        """Send ``part``'s result to its learner unless the process that sent it was replaced by
+        a new incarnation (see the module docstring)."""
+        if part.incarnation != rec.incarnation:
+            self.log.info("result withheld: the learner process that sent the contribution was replaced",
+                          learner_id=part.learner_id, fragment=part.fragment, sequence=part.sequence,
+                          incarnation=part.incarnation, current_incarnation=rec.incarnation,
+                          outcome=result.outcome)
+            return
+        self.send_result(rec, result)
 
     def send_result(self, rec: LearnerRecord, result: ContributionResult) -> None:
         before = rec.outbox.dropped

@@ -1,4 +1,9 @@
-"""``ddiloco synchronizer --listen HOST:PORT --state-dir DIR [--config FILE]``: the service as deployed."""
+"""``ddiloco synchronizer --listen HOST:PORT --state-dir DIR [--config FILE]``: the service as deployed.
+
+The process holds its state dir's lock (``store``) from the moment its state store opens until it
+exits: a second synchronizer on the same state dir is refused at start, with exit code 2 and the
+holder named, before it has touched the dir or bound a port.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ async def serve(cfg: SynchronizerConfig, ready_file: str | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
+    server.engine.store.close()  # the state dir's lock: what the process's exit would release anyway
     return 0
 
 
@@ -75,9 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ddiloco synchronizer: {exc}", file=sys.stderr)
         return 2
+    from ddiloco.synchronizer.store import StateError  # imports torch: not for a refused command line
+
     try:
         return asyncio.run(serve(cfg, args.ready_file))
     except ValueError as exc:  # unreadable credentials (tokens file, TLS files)
+        print(f"ddiloco synchronizer: {exc}", file=sys.stderr)
+        return 2
+    except StateError as exc:  # the state dir is another synchronizer's, or not this model's
+        get_logger("ddiloco.synchronizer").error("cannot start", state_dir=cfg.state_dir, error=str(exc))
         print(f"ddiloco synchronizer: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

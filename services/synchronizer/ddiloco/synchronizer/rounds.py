@@ -9,9 +9,13 @@ is no polling tick beyond the heartbeat interval.
 
 The merge itself (re-anchoring, weighted RDA, Nesterov step, encoding, the durable commit) runs
 in a thread pool so the event loop keeps serving streams; the new version becomes visible and is
-broadcast only after the commit returned. If the commit fails, the round's contributions go back
-into the inbox (unless a newer one from the same learner arrived meanwhile) and the round is
-retried: nothing accepted is lost, nothing uncommitted is broadcast.
+broadcast only after the commit returned. If the merge or the commit fails, the round's
+contributions go back into the inbox and the round is retried: nothing accepted is lost, nothing
+uncommitted is broadcast. A learner whose newer contribution arrived during the failed attempt
+gets one slot again, as if the two had arrived in order: the newer one supersedes the one put back
+when it holds its progress (same process, same base; the learner is told it was superseded), and
+carries it otherwise (it is answered with the newer one's merge). So every contribution still ends
+merged, rejected or superseded, and is answered.
 
 A round gets what it needs from the synchronizer as a ``RoundContext`` of the parts it works with,
 each seen through a narrow interface: the learners (who is live, asking them), the pace (the
@@ -97,6 +101,13 @@ class Pacing(Protocol):
     def merged(self, quorum_time_s: float, sync_time_s: float) -> None:
         """A committed merge: (quorum time, sync time)."""
         ...
+
+
+def _sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """``a + b`` where either may be absent (None: both are)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b
 
 
 class Committer(Protocol):
@@ -235,14 +246,14 @@ class FragmentRound:
         if not keep:
             return
         entries = [sealed.entries[i] for i in keep]
-        weights = token_weights([c.tokens for c in entries], [c.steps for c in entries])
-        scale = 1.0
-        if settings.scale_by_participation:
-            scale = participation_scale(len(entries), len(ctx.learners.live(ctx.clock())))
         self.merging = True
-        started = time.perf_counter()
-        outer = settings.outer_step(frag.merges + 1, entries)
-        try:
+        try:  # from here on a failure puts the sealed contributions back
+            weights = token_weights([c.tokens for c in entries], [c.steps for c in entries])
+            scale = 1.0
+            if settings.scale_by_participation:
+                scale = participation_scale(len(entries), len(ctx.learners.live(ctx.clock())))
+            started = time.perf_counter()
+            outer = settings.outer_step(frag.merges + 1, entries)
             outcome = await ctx.run_blocking(self._compute, sealed, keep, staleness, weights, version, outer, scale)
         except Exception:
             self._requeue(sealed, keep)
@@ -275,10 +286,42 @@ class FragmentRound:
                 for i in keep}
 
     def _requeue(self, sealed: SealedRound, keep: list[int]) -> None:
+        """Put the entries ``keep`` of a failed round back, before what arrived since (module docstring)."""
+        if not any(sealed.entries[i].learner_id in self.inbox.contributors for i in keep):
+            for i in keep:
+                self.inbox.add(sealed.entries[i], sealed.deltas[i], sealed.carry.get(i))
+            return
+        later = self.inbox.seal()  # what arrived since: taken out, and put back after the older entries
+        newer = {c.learner_id: j for j, c in enumerate(later.entries)}
         for i in keep:
             c = sealed.entries[i]
-            if c.learner_id not in self.inbox.contributors:
+            j = newer.pop(c.learner_id, None)
+            if j is None:
                 self.inbox.add(c, sealed.deltas[i], sealed.carry.get(i))
+            else:
+                self._put_back_before(c, sealed.deltas[i], sealed.carry.get(i),
+                                      later.entries[j], later.deltas[j], later.carry.get(j))
+        for j in newer.values():
+            self.inbox.add(later.entries[j], later.deltas[j], later.carry.get(j))
+
+    def _put_back_before(self, older: Contribution, older_row: torch.Tensor, older_carry: torch.Tensor | None,
+                         newer: Contribution, newer_row: torch.Tensor, newer_carry: torch.Tensor | None) -> None:
+        """One slot for a learner's put-back ``older`` entry and its ``newer`` one, as
+        ``inbox.Inbox.add`` would have made it had they arrived in that order; each entry's row is
+        the sum of its parts' deltas, its carry the sum of the parts it carries."""
+        own = older.parts()[0]  # older's own part, its tokens and steps without those it carries
+        if newer.supersedes(older):  # the newer one holds older's own progress, not what older carries
+            tokens, steps = (sum(k.tokens for k in older.carried), sum(k.steps for k in older.carried))
+            entry = dataclasses.replace(newer, carried=(*older.carried, *newer.carried), tokens=newer.tokens + tokens,
+                                        steps=newer.steps + steps, hand_over=newer.hand_over and older.hand_over)
+            row = newer_row if older_carry is None else newer_row + older_carry
+            carry = _sum(older_carry, newer_carry)
+            self.inbox.add(entry, row, carry)
+            self.ctx.ledger.superseded(None, own, by=newer.sequence)
+            return
+        entry = dataclasses.replace(newer, carried=(*older.carried, own, *newer.carried),
+                                    tokens=newer.tokens + older.tokens, steps=newer.steps + older.steps)
+        self.inbox.add(entry, newer_row + older_row, _sum(older_row, newer_carry))
 
     def _compute(self, sealed: SealedRound, keep: list[int], staleness: list[int], weights: list[float],
                  version: int, outer: OuterNesterov, scale: float = 1.0) -> MergeOutcome:

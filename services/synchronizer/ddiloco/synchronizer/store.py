@@ -19,16 +19,36 @@ written file fails the digest and is never loaded; temp files are removed at sta
 layout and the model fingerprint it may carry ``model``: the description of the model the
 genesis learner announced (its Hello label ``model``, kept verbatim), so that the trained weights
 can be exported with what builds them. State dirs from before that field simply lack it.
+
+One synchronizer per state dir. A second one would delete the first's commits in flight (the
+temp files it removes at start-up) and commit its own version N over the first's, so the version
+N the first broadcast is not the one on disk. ``StateStore()`` therefore takes an exclusive lock on
+``synchronizer.lock`` in the state dir (``flock``, non-blocking) and holds it while the store is
+open: a second process on the same dir is refused before it touches anything, with the dir and
+the holder's pid and host in the error. The kernel releases the lock when the holder closes the
+store or dies, SIGKILL included, so a restart never finds a stale lock; the file itself stays (it
+is never deleted, which would let two processes lock two different files). The lock belongs to
+the process: stores of one dir within it share it (an engine restarted in the same process). It
+needs a filesystem whose locks work across every machine that mounts it: a local disk, a
+ReadWriteOnce volume, NFSv4, or NFSv3 with lockd (not mounted ``local_lock=flock`` or ``all``,
+which keeps locks on one machine); where locking fails, the start is refused.
+Readers (``export``, ``eval``) do not lock and do not use ``StateStore()`` (``export._StateReader``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
 import json
 import mmap
 import os
 import pathlib
+import socket
 import struct
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,10 +60,16 @@ from ddiloco.fragments.partition import Fragment, FragmentLayout, TensorSpec
 MAGIC = b"DDLOFRG1"
 _LEN = struct.Struct("<Q")
 META = "meta.json"
+LOCK = "synchronizer.lock"
+"""Held (``flock``) by the one process that writes the state dir; holds that process's pid and host."""
 
 
 class StateError(Exception):
-    """The state dir is unusable (belongs to another model, unreadable meta)."""
+    """The state dir is unusable (belongs to another model, unreadable meta, cannot be locked)."""
+
+
+class StateLocked(StateError):
+    """Another process holds the state dir's lock: a second synchronizer on the same state dir."""
 
 
 @dataclass
@@ -88,15 +114,105 @@ def layout_from_json(doc: list[list[list]]) -> FragmentLayout:
         Fragment(p, tuple(TensorSpec(n, tuple(s), d) for n, s, d in tensors)) for p, tensors in enumerate(doc)))
 
 
+@dataclass
+class _HeldLock:
+    fd: int
+    users: int
+
+
+_held: dict[tuple[int, int], _HeldLock] = {}
+"""This process's state dir locks, by the lock file's (device, inode)."""
+_held_guard = threading.Lock()
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as the holder wrote it into the lock file (best effort)."""
+    try:
+        doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        since = datetime.datetime.fromtimestamp(float(doc["since"]), datetime.UTC).isoformat(timespec="seconds")
+        return f"pid {int(doc['pid'])} on host {doc['host']}, since {since}"
+    except (OSError, ValueError, TypeError, KeyError):
+        return "holder unknown"
+
+
+def lock_state_dir(root: pathlib.Path) -> tuple[int, int]:
+    """Take (or, in a process that holds it already, share) the exclusive lock of the state dir
+    ``root``; the key to give to ``unlock_state_dir``. Raises ``StateLocked`` when another
+    process holds it, ``StateError`` when the filesystem cannot lock. A process refused changes
+    nothing: the lock file is there already (its holder made it), and only a holder writes it."""
+    path = root / LOCK
+    for _ in range(3):  # the lock file replaced between our open and our lock: lock the new one
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StateError(f"state dir {root}: cannot open its lock file {path}: {exc}") from exc
+        kept = False
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            with _held_guard:
+                held = _held.get(key)
+                if held is not None:
+                    held.users += 1
+                    return key
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # EWOULDBLOCK: another open file description holds it
+                    raise StateLocked(
+                        f"state dir {root} is in use by another synchronizer ({_holder(fd)}; lock file {path}); "
+                        "two on one state dir would overwrite each other's commits: stop that one, or give "
+                        "this one a state dir of its own") from None
+                except OSError as exc:  # ENOLCK, EOPNOTSUPP...: the filesystem cannot lock
+                    raise StateError(
+                        f"state dir {root}: cannot lock {path} ({exc}); the state dir must be on a local disk or a "
+                        "filesystem whose locks work across the machines that mount it") from exc
+                with contextlib.suppress(FileNotFoundError):
+                    now = os.stat(path)
+                    if (now.st_dev, now.st_ino) == key:
+                        os.ftruncate(fd, 0)
+                        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                  "since": time.time()}).encode(), 0)
+                        _held[key] = _HeldLock(fd, 1)
+                        kept = True
+                        return key
+        finally:
+            if not kept:
+                os.close(fd)
+    raise StateError(f"state dir {root}: its lock file {path} keeps being replaced; is another tool deleting it?")
+
+
+def unlock_state_dir(key: tuple[int, int]) -> None:
+    """Give back one use of a lock taken by ``lock_state_dir``; the last one releases it."""
+    with _held_guard:
+        held = _held.get(key)
+        if held is None:
+            return
+        held.users -= 1
+        if held.users == 0:
+            del _held[key]
+            os.close(held.fd)  # releases the flock
+
+
 class StateStore:
-    """Reads and writes the synchronizer's state dir."""
+    """Reads and writes the synchronizer's state dir, holding its lock while open (``close``)."""
+
+    _unlock: weakref.finalize | None = None
 
     def __init__(self, root: str | pathlib.Path, *, keep_versions: int = 5) -> None:
         self.root = pathlib.Path(root)
         self.keep_versions = max(2, keep_versions)
         self.root.mkdir(parents=True, exist_ok=True)
+        # Before anything else is touched: the temp files removed below may be another
+        # synchronizer's commits in flight.
+        self._unlock = weakref.finalize(self, unlock_state_dir, lock_state_dir(self.root))
         (self.root / "fragments").mkdir(exist_ok=True)
         self._remove_temp_files()
+
+    def close(self) -> None:
+        """Release the state dir's lock (once this process's last store of it is closed or
+        collected); a later ``StateStore()`` on the dir locks it again."""
+        if self._unlock is not None:
+            self._unlock()
 
     def _remove_temp_files(self) -> None:
         for tmp in self.root.rglob(".*.tmp"):
