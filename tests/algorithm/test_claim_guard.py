@@ -24,7 +24,7 @@ def _run(guard: ClaimGuard, identity: str, *, steps_per_s: float, seconds: float
             t = now + p * period / fragments
             verdict = guard.judge(identity, p, steps=round(H * claim), tokens=round(H * claim) * 100, now=t)
             assert verdict.action != "reject"
-            guard.admitted(identity, p, verdict.steps, t)
+            guard.admitted(identity, verdict, t)
         now += period
     return now
 
@@ -69,20 +69,35 @@ def test_a_patient_liar_grows_by_a_bounded_factor_and_stops_at_the_fleets_cap() 
     period = H / 2.0  # the honest learner: 2 steps/s
     for t in range(0, 1200, int(period)):
         for p in range(4):
-            guard.admitted("honest", p, H, float(t + p))
+            guard.admitted("honest", guard.judge("honest", p, steps=H, tokens=H, now=float(t + p)), float(t + p))
     claimed = []
     for k in range(40):  # the liar answers fragment 0 every period, claiming all it may
         now = float(k * period)
-        bound = guard.bound("liar", 0, now)
-        assert bound is not None
-        guard.admitted("liar", 0, bound, now)
-        claimed.append(bound)
+        verdict = guard.judge("liar", 0, steps=10**6, tokens=10**6, now=now)
+        guard.admitted("liar", verdict, now)
+        claimed.append(verdict.steps)
     assert claimed[0] == 2 * H, "no earlier answer of the fragment: growth x one period"
     assert claimed[1:5] == [H + 2 * 2 * 12] * 4, "growth x the fleet's pace until half its window is its own"
     assert all(b <= (2 + 1) * a for a, b in itertools.pairwise(claimed))
     rate = guard.rate("liar")
     assert rate is not None and rate == 16.0 * 2.0, "capped at fleet_factor x the honest pace"
     assert max(claimed) == H + 16 * 2 * 12
+
+
+def test_refused_answers_bank_no_time() -> None:
+    """Timed from its last admitted answer, a learner whose inflated updates were refused (for their
+    norm) was allowed more steps with every refusal: 6 s after its last admitted answer a chaos run's
+    liar could claim 508 steps where an honest answer carries 5, and its next 1000x update passed
+    the norm guard."""
+    guard = ClaimGuard(ClaimGuardPolicy(), period_steps=H)
+    for k in range(60):
+        for who in ("honest", "liar"):
+            guard.admitted(who, guard.judge(who, 0, steps=H, tokens=H, now=k * 12.0), k * 12.0)
+    limits = []
+    for k in range(60, 80):  # the liar's answers, each judged and then refused by a later check
+        verdict = guard.judge("liar", 0, steps=1000 * H, tokens=1000 * H, now=k * 12.0)
+        limits.append(verdict.steps)
+    assert max(limits) == min(limits) == H + 2 * 2 * 12, "one period's slack + growth x pace x one period"
 
 
 def test_off_trusts_every_claim_and_bad_settings_are_refused() -> None:

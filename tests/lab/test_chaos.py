@@ -284,6 +284,28 @@ def test_a_learner_that_inflates_its_tokens_is_refused_and_the_honest_ones_are_n
     assert s["invariants"]["all_hold"], s["invariants"]
 
 
+def test_a_learner_that_overclaims_its_steps_is_refused_and_the_honest_ones_are_not(tmp_path):
+    # from its step 100 learner-1 claims 1000x the steps and tokens it trained, with a 1000x outer
+    # gradient: the claim guard cuts its steps to what the synchronizer can account for, and the
+    # norm guard refuses the update against those steps; nothing of the honest learners' is refused
+    # or cut
+    s = _chaos_run(tmp_path, FaultPlan().overclaim("learner-1", at_step=100), steps=500)
+    per = s["contributions"]["per_learner"]
+    assert per["learner-1"]["rejected_by_reason"].get("norm_outlier", 0) > 0, per["learner-1"]
+    for lid in ("learner-0", "learner-2"):
+        assert not per[lid]["rejected_by_reason"].get("norm_outlier"), per[lid]
+        assert per[lid]["merged"] > 0
+    injected = s["faults_injected"][0]["t"]
+    events = load_jsonl(tmp_path / "run" / "learners" / "learner-1.jsonl")
+    sends = {e["sequence"]: e for e in events if e["event"] == "send"}
+    results = [e for e in events if e["event"] == "result" and e["sequence"] in sends]
+    late = [r for r in results if sends[r["sequence"]]["t"] > injected + 1.0]
+    assert late and all(r["outcome"] != "merged" for r in late), [r["outcome"] for r in late]
+    bounded = [e for e in load_jsonl(tmp_path / "run" / "synchronizer.jsonl") if e["event"] == "claim_bound"]
+    assert {e["learner_id"] for e in bounded} <= {"learner-1"}, bounded[:3]  # no honest claim was cut
+    assert s["invariants"]["all_hold"], s["invariants"]
+
+
 def test_a_restarted_learner_rejoins_a_streaming_fleet_in_phase(tmp_path):
     # Streaming: learners send each fragment at their own due steps and wait for its merge, and a
     # round waits for every live learner. A learner restarting behind the fleet's last merged round

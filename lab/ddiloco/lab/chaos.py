@@ -18,7 +18,9 @@ how fast this machine happens to be):
 - ``nan``: a learner's parameters turn NaN (SIGUSR1, its fault-injection hook); it must heal.
 - ``corrupt``: from then on a learner scales every outer gradient it sends (SIGUSR2); ``inflate``:
   from then on it claims ``inflate_factor`` times the tokens it trained (SIGRTMIN), its outer
-  gradients sound: hostile learners, for the norm guard and the weight guard.
+  gradients sound; ``overclaim``: from then on it claims ``overclaim_factor`` times the steps and
+  tokens it trained and scales its outer gradient to match (SIGRTMIN+1): hostile learners, for the
+  norm guard, the weight guard and the claim guard.
 
 Plans come from a YAML/JSON file (``events: [{at_s, kind, target, ...}]``), from a shorthand
 ``random:mtbf=30s,seed=7[,duration=300s][,kinds=kill+stop+net+sync]`` (exponential gaps with the
@@ -42,7 +44,8 @@ from pydantic.dataclasses import dataclass as config_dataclass
 from ddiloco.core import events as schema
 from ddiloco.core.config import STRICT, build, read_file
 
-Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain", "nan", "corrupt", "inflate"]
+Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain", "nan", "corrupt", "inflate",
+               "overclaim"]
 KINDS: tuple[str, ...] = get_args(Kind)
 NET_FAULTS = ("latency", "bandwidth", "stall", "blackhole", "reset")
 
@@ -78,7 +81,7 @@ class FaultEvent:
             raise ValueError("at_s must be >= 0 and at_step >= 1")
         if self.duration_s < 0 or (self.restart_after_s is not None and self.restart_after_s < 0):
             raise ValueError("fault times must be >= 0")
-        if self.kind in ("kill", "stop", "drain", "net", "nan", "corrupt", "inflate") and not self.target:
+        if self.kind in ("kill", "stop", "drain", "net", "nan", "corrupt", "inflate", "overclaim") and not self.target:
             raise ValueError(f"a {self.kind} fault needs a target learner id")
         if self.kind == "net" and self.net not in NET_FAULTS:
             raise ValueError(f"net fault must be one of {', '.join(NET_FAULTS)}, got {self.net!r}")
@@ -131,6 +134,12 @@ class FaultPlan:
     def inflate(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:
         """From then on the target claims its ``inflate_factor`` times the tokens it trained."""
         self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="inflate", target=target))
+        return self
+
+    def overclaim(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:
+        """From then on the target claims its ``overclaim_factor`` times the steps and tokens it
+        trained, with its outer gradient scaled to match."""
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="overclaim", target=target))
         return self
 
     def drain(self, target: str, *, at_s: float | None = None, at_step: int | None = None) -> FaultPlan:

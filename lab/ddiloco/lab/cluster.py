@@ -204,7 +204,8 @@ class LocalCluster:
         self.driver = ChaosDriver(self.plan, {
             "kill": self._kill, "stop": self._stop, "kill_synchronizer": self._kill_synchronizer,
             "net": self._net, "scale_up": self._scale_up, "drain": self._drain, "nan": self._nan,
-            "corrupt": self._corrupt, "inflate": self._inflate}, log, progress=self._progress)
+            "corrupt": self._corrupt, "inflate": self._inflate,
+            "overclaim": self._overclaim}, log, progress=self._progress)
         self.driver.start()
 
     def _proc(self, lid: str) -> subprocess.Popen[bytes]:
@@ -312,6 +313,9 @@ class LocalCluster:
 
     def _inflate(self, e: FaultEvent) -> None:
         self._proc(e.target).send_signal(signal.SIGRTMIN)  # its answers claim more tokens than it trained
+
+    def _overclaim(self, e: FaultEvent) -> None:
+        self._proc(e.target).send_signal(signal.SIGRTMIN + 1)  # it claims far more work, with a larger update
 
     def _drain(self, e: FaultEvent) -> None:
         self._proc(e.target).send_signal(signal.SIGTERM)

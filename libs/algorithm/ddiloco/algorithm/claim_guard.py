@@ -9,12 +9,12 @@ far as an honest merge does). The weight guard bounds tokens *per step*; this gu
 steps.
 
 The synchronizer cannot see a learner's steps, but it sees time. For each learner (its identity,
-the learner id bound to its credentials) and fragment it keeps when it last admitted a
-contribution, and for each learner the pace its admitted contributions implied
-(steps / seconds since the previous admitted one of the same fragment). A new contribution may
-claim at most
+the learner id bound to its credentials) and fragment it keeps when its last answer arrived
+(admitted or not: a learner's counters start over at its sends), and for each learner the pace
+its admitted answers implied (steps / seconds since its previous answer of the same fragment). A
+new contribution may claim at most
 
-    ``bound = slack + rate * (now - last admitted of this fragment)``,
+    ``bound = slack + rate * (now - its last answer of this fragment)``,
     ``rate = min(growth * own pace, fleet_factor * typical pace of the other learners)``
     (``growth * typical pace of the others`` for a learner with fewer than ``window / 2`` paces of
     its own)
@@ -23,7 +23,7 @@ where ``slack`` is ``slack_periods`` sync periods of steps (an honest contributi
 one period: the fleet's clock asks for each fragment once a period, at the pace of its fast
 learners) and the paces are medians over the last ``window`` admitted contributions (the other
 learners' figure is the lower median of their own medians, ``identity_median``, so no one learner
-sets it). A learner with no pace or no admitted contribution of this fragment yet (a newcomer, or
+sets it). A learner with no pace or no earlier answer of this fragment (a newcomer, or
 any learner after a synchronizer restart) may claim ``growth * slack``. With ``action: bound``
 (the default) a claim beyond the bound is merged as if it claimed the bound: its steps are cut to
 it and its tokens in proportion (tokens per step as claimed, for the weight guard to judge), and
@@ -31,8 +31,9 @@ the norm guard judges the update against the bounded steps, so an inflated updat
 inflated claim is refused as ``norm_outlier``. With ``reject`` it is refused (``claim_outlier``).
 
 Why honest learners are not bounded: an answer covers about one period (within ``slack``); one
-that covers more (a learner cut off from the synchronizer that kept training, a learner whose
-answers were refused) comes with the time it took, at the learner's own pace. A faster learner
+that covers more (a learner cut off from the synchronizer that kept training, or one that held
+its answer while its previous merge was on its way) comes with the time it took, at the
+learner's own pace. A faster learner
 (a GPU beside CPUs) answers about one period too, since the clock runs at the fast learners'
 pace; where it claims more, its bound grows by about ``growth + 1`` per ``window / 2`` admitted
 contributions (the median moves once half the window is at the new pace), up to ``fleet_factor``
@@ -97,10 +98,12 @@ class ClaimVerdict:
     steps: int
     tokens: int
     detail: str = ""
+    since: float | None = None
+    """When the learner's answer of the fragment before this one arrived (None: none known)."""
 
 
 class ClaimGuard:
-    """Per learner: when each fragment was last admitted, and the pace that implied."""
+    """Per learner: when it last answered each fragment, and the pace its admitted answers implied."""
 
     def __init__(self, policy: ClaimGuardPolicy, *, period_steps: int) -> None:
         if period_steps < 1:
@@ -132,29 +135,37 @@ class ClaimGuard:
         return math.ceil(self.slack + rate * max(0.0, now - since))
 
     def judge(self, identity: str, fragment: int, *, steps: int, tokens: int, now: float) -> ClaimVerdict:
-        """The steps and tokens to admit a contribution claiming ``steps`` and ``tokens`` with."""
+        """The steps and tokens to admit a contribution claiming ``steps`` and ``tokens`` with. The
+        answer counts as the learner's last of ``fragment`` from ``now`` on, whatever becomes of it:
+        a learner's counters start over at its sends, not at its merges, and timed from the last
+        *admitted* answer, a learner whose answers are refused (for their norm, say) would bank the
+        time since and claim more steps with every refusal."""
         limit = self.bound(identity, fragment, now)
+        since = self._answered(identity, fragment, now)
         if limit is None or steps <= limit:
-            return ClaimVerdict("accept", steps, tokens)
-        since = self._last.get(identity, {}).get(fragment)
-        seen = "no earlier contribution of it admitted" if since is None else f"{now - since:.3g}s since the last"
+            return ClaimVerdict("accept", steps, tokens, since=since)
+        seen = "no earlier answer of it" if since is None else f"{now - since:.3g}s since its last answer"
         rate = self.rate(identity)
         pace = "no pace known yet" if rate is None else f"at most {rate:.4g} steps/s"
         detail = (f"claims {steps} steps for fragment {fragment}, more than the {limit} the synchronizer can "
-                  f"account for ({seen} admitted, {pace}, slack {self.slack:g})")
+                  f"account for ({seen}, {pace}, slack {self.slack:g})")
         if self.policy.action == "reject":
-            return ClaimVerdict("reject", steps, tokens, detail)
-        return ClaimVerdict("bound", limit, max(1, round(tokens * limit / steps)), detail)
+            return ClaimVerdict("reject", steps, tokens, detail, since=since)
+        return ClaimVerdict("bound", limit, max(1, round(tokens * limit / steps)), detail, since=since)
 
-    def admitted(self, identity: str, fragment: int, steps: int, now: float) -> None:
-        """A contribution of ``steps`` (as admitted) passed every check: its pace joins the history."""
+    def admitted(self, identity: str, verdict: ClaimVerdict, now: float) -> None:
+        """The answer ``verdict`` was given for passed every check, with ``verdict.steps``: the pace
+        it implies joins ``identity``'s history."""
+        if verdict.since is not None and now - verdict.since >= MIN_ELAPSED_S:
+            self._paces.record(identity, verdict.steps / (now - verdict.since))
+
+    def _answered(self, identity: str, fragment: int, now: float) -> float | None:
+        """Mark ``identity``'s answer of ``fragment`` at ``now``; the time of the one before (None)."""
         if self.policy.action == "off":
-            return
+            return None
         last = self._last.pop(identity, {})
-        self._last[identity] = last  # most recently admitted last
+        self._last[identity] = last  # most recently heard last
         while len(self._last) > MAX_IDENTITIES:
             del self._last[next(iter(self._last))]
-        since = last.get(fragment)
-        if since is not None and now - since >= MIN_ELAPSED_S:
-            self._paces.record(identity, steps / (now - since))
-        last[fragment] = now
+        since, last[fragment] = last.get(fragment), now
+        return since

@@ -112,6 +112,10 @@ class LearnerConfig:
     inflate_factor: float = 100.0
     """Fault injection (SIGRTMIN, chaos kind inflate): the factor every answer's token count is
     multiplied by from then on (its outer gradients stay sound), to test the weight guard."""
+    overclaim_factor: float = 1000.0
+    """Fault injection (SIGRTMIN+1, chaos kind overclaim): the factor every answer's steps, tokens
+    and outer gradient are multiplied by from then on (a learner that claims far more work than it
+    did, to carry a far larger update past the norm guard), to test the claim guard."""
     token: str | None = None
     """Bearer token for the synchronizer, inline (local runs; deployments use token_file or
     $DDILOCO_TOKEN, so the token sits in neither a config map nor a command line)."""

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR2, lambda *_: learner.corrupted.set())
     # ... and from the next send on, every answer claims inflate_factor times its tokens
     signal.signal(signal.SIGRTMIN, lambda *_: learner.sync.inflated.set())
+    # ... and from the next send on, every answer claims overclaim_factor times its steps and tokens,
+    # its outer gradient scaled to match
+    signal.signal(signal.SIGRTMIN + 1, lambda *_: learner.sync.overclaimed.set())
     try:
         summary = learner.run()
     except LearnerError as exc:

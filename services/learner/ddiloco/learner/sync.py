@@ -131,6 +131,9 @@ class DecoupledSync:
         """Set by a chaos hook (SIGUSR2): every outer gradient sent is scaled by corrupt_factor."""
         self.inflated = threading.Event()
         """Set by a chaos hook (SIGRTMIN): every answer claims inflate_factor times its tokens."""
+        self.overclaimed = threading.Event()
+        """Set by a chaos hook (SIGRTMIN+1): every answer claims overclaim_factor times its steps and
+        tokens, with its outer gradient scaled by as much."""
         self._pace = RunningAverage(0.1, clip=4.0)
         """Recent wall time per inner step, what the learner reports to pace the fleet's clock; one
         long step (a stop, a pause) counts at most 4 times the average."""
@@ -434,6 +437,10 @@ class DecoupledSync:
             if self.corrupted.is_set():  # fault injection: a hostile learner (its own model stays sound)
                 delta.mul_(self.cfg.corrupt_factor)  # the contribution's own tensor
             claimed = max(1, round(tokens * self.cfg.inflate_factor)) if self.inflated.is_set() else tokens
+            if self.overclaimed.is_set():  # fault injection: more work claimed, to carry a larger update
+                factor = self.cfg.overclaim_factor
+                delta.mul_(factor)
+                claimed, steps = max(1, round(claimed * factor)), max(1, round(steps * factor))
             seq = next(self.sequence)
             # Logged before the hand-off: once handed over, the communication thread may send it, and
             # it may be merged (and answered) before this thread runs again; a "send" logged after it

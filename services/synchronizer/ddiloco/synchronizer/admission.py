@@ -169,8 +169,8 @@ class Admission:
                 delta.mul_(verdict.scale)
                 self.on_clip(c, verdict.detail)
         self.weight_guard.record(rec.learner_id, c.tokens, c.steps)
-        if self.claim_guard is not None:
-            self.claim_guard.admitted(rec.learner_id, h.fragment_id, c.steps, c.arrived_at)
+        if self.claim_guard is not None and claim is not None:
+            self.claim_guard.admitted(rec.learner_id, claim, c.arrived_at)
         if claim is not None and claim.action == "bound" and self.on_bound is not None:
             self.on_bound(c, claim.detail)  # admitted, with the bounded counters
         return c, delta
