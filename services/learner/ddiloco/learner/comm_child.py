@@ -1,4 +1,4 @@
-"""The communication process of a learner in ``learner.comm: process``: ``python -m
+"""The communication process of a learner in ``learner.comm: process``: ``python -P -m
 ddiloco.learner.comm_child IN OUT``, started by the training process's ``ProcessComm``
 (``comm_process.py``, which describes the whole arrangement) with the control channel's two
 sockets as descriptors: ``IN`` what training writes, ``OUT`` what this process writes.
@@ -6,8 +6,8 @@ sockets as descriptors: ``IN`` what training writes, ``OUT`` what this process w
 It puts its threads under ``SCHED_BATCH``, reads a ``ChildSpec``, attaches the training process's
 slot pool, return slots and shared values, runs the learner's ``Comm`` (lanes, links, mailboxes,
 codecs, reconnects) with a mailbox that forwards what training takes (merged fragments through the
-return slots while one is free), writes everything back from one writer thread, and exits at once
-when the training process is gone.
+return slots while one is free; otherwise the newest of each fragment waits for the writer),
+writes everything back from one writer thread, and exits at once when the training process is gone.
 """
 
 from __future__ import annotations
@@ -35,49 +35,104 @@ from ddiloco.learner.comm_process import (
     send_values,
 )
 from ddiloco.learner.events import EventLog
-from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing
+from ddiloco.learner.mailbox import Arrival, Mailbox, Outgoing, supersedes
 from ddiloco.learner.session import LiveStats
 from ddiloco.learner.slots import ReturnSlots, SharedValues, SlotPool, SlotRef
 from ddiloco.protocol import wire
 
+_WAITING = "waiting"
+"""A queued item that stands for the merged fragment waiting in ``_Outbox.waiting``: the writer
+sends the newest there when it comes to it."""
+
+
+def _arrival(arrival: Arrival, ref: SlotRef | None) -> tuple[tuple[Any, ...], torch.Tensor | None]:
+    """A merged fragment's message, and its values when they follow it on the channel (no slot)."""
+    msg = ("arrival", arrival.fragment, arrival.version, arrival.resync, arrival.values.numel(), ref)
+    return msg, (arrival.values if ref is None else None)
+
 
 class _Outbox:
     """Everything the child writes to the training process, in order, from one writer thread (so no
-    communication thread ever blocks on a training process busy with a step)."""
+    communication thread ever blocks on a training process busy with a step).
+
+    A merged fragment that finds no free return slot waits in ``waiting``, the newest of each
+    fragment only (``mailbox.supersedes``, thread mode's rule), with one item in the queue at the
+    place of the first: while training does not read (a long step, an evaluation; the channel is
+    full and the writer blocked) a fragment merged forty times is held at most twice (the copy
+    being written and the newest), not forty times. The writer tries a slot again when it comes to
+    it (training may have freed one meanwhile)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.queue: queue.SimpleQueue[tuple[tuple[Any, ...], torch.Tensor | None] | None] = queue.SimpleQueue()
+        self.waiting: dict[int, tuple[Arrival, ReturnSlots]] = {}
+        """fragment -> its newest merged fragment not written yet, and the slots to try again."""
+        self._lock = threading.Lock()
+        """Over ``waiting`` and the slot a merged fragment takes, so a fragment's arrivals keep their order."""
         self.thread = threading.Thread(target=self._run, name="comm-outbox", daemon=True)
         self.thread.start()
 
     def put(self, msg: tuple[Any, ...], values: torch.Tensor | None = None) -> None:
         self.queue.put((msg, values))
 
+    def arrival(self, arrival: Arrival, returns: ReturnSlots) -> None:
+        """A merged fragment for training: through a free return slot, else (or when an older one of
+        the fragment waits already) it waits for the writer, the newest of each fragment only."""
+        with self._lock:
+            held = self.waiting.get(arrival.fragment)
+            if held is not None:  # its item is queued already: the writer sends the newest
+                if supersedes(held[0], arrival):
+                    self.waiting[arrival.fragment] = (arrival, returns)
+                return
+            ref = returns.put(arrival.values)
+            if ref is not None:
+                self.queue.put(_arrival(arrival, ref))
+                return
+            self.waiting[arrival.fragment] = (arrival, returns)
+            self.queue.put(((_WAITING, arrival.fragment), None))
+
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join(STOP_TIMEOUT_S)
 
     def _run(self) -> None:
+        while self._write_next():
+            pass
+
+    def _take(self, item: tuple[tuple[Any, ...], torch.Tensor | None]) -> tuple[tuple[Any, ...], torch.Tensor | None]:
+        """The message (and values) to write for a queued item: a waiting merged fragment's newest."""
+        msg, _ = item
+        if msg[0] != _WAITING:
+            return item
+        with self._lock:
+            arrival, returns = self.waiting.pop(msg[1])
+            return _arrival(arrival, returns.put(arrival.values))
+
+    def _write_next(self) -> bool:
+        """Write what is queued, waiting for the first item; False once closed. What it wrote is
+        let go of when it returns (a merged fragment's values are not held until the next write)."""
+        item = self.queue.get()
+        if item is None:
+            return False
+        batch = [self._take(item)]
         closing = False
-        while not closing and (item := self.queue.get()) is not None:
-            batch = [item]
-            while len(batch) < 256:  # everything waiting goes in one write, read in one go
-                try:
-                    more = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    closing = True
-                    break
-                batch.append(more)
+        while len(batch) < 256:  # everything waiting goes in one write, read in one go
             try:
-                self.conn.send_bytes(pickle.dumps([msg for msg, _ in batch]))
-                for _, values in batch:
-                    if values is not None:
-                        send_values(self.conn, values)
-            except OSError:  # the training process is gone
-                os._exit(0)
+                more = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                closing = True
+                break
+            batch.append(self._take(more))
+        try:
+            self.conn.send_bytes(pickle.dumps([msg for msg, _ in batch]))
+            for _, values in batch:
+                if values is not None:
+                    send_values(self.conn, values)
+        except OSError:  # the training process is gone
+            os._exit(0)
+        return not closing
 
 
 class _ForwardingMailbox(Mailbox):
@@ -90,9 +145,7 @@ class _ForwardingMailbox(Mailbox):
         self.outbox.put(("request", fragment, round_no))
 
     def deliver(self, arrival: Arrival) -> None:
-        ref = self.returns.put(arrival.values)
-        self.outbox.put(("arrival", arrival.fragment, arrival.version, arrival.resync, arrival.values.numel(), ref),
-                        arrival.values if ref is None else None)
+        self.outbox.arrival(arrival, self.returns)
 
     def settle(self, msg: wire.ContributionResult) -> None:
         super().settle(msg)
@@ -239,31 +292,62 @@ def _pace(stats: LiveStats, shared: SharedValues) -> None:
     stats.step_time_s, stats.training_done = step_time_s, bool(done)
 
 
+WATCH_S = 0.05
+"""How often ``_watch`` looks."""
+WATCH_LOG_EVERY_S = 10.0
+"""While ``_watch``'s looks keep failing, how often it says so again."""
+
+
 def _watch(comm: Any, outbox: _Outbox, stop: threading.Event, rejoined: bool, shared: SharedValues) -> None:
     """Report the joins at once and the rest when it changes (byte counts at most twice a second).
     A training process that is stopped (SIGSTOP: a frozen host, the lab's ``stop`` fault) stops the
     communication with it: every lane's event loop is held (no heartbeat, no send, no receipt)
-    until it runs again, as one process would be."""
+    until it runs again, as one process would be.
+
+    A look that fails (say, a read of the shared values that never finds them whole, the training
+    process frozen in the middle of writing them) is logged, and the next look tries again: the
+    drains and the status are this thread's alone, and a thread that died of one failure would
+    silence them for the rest of the child's life while everything else went on."""
+    log = logs.get_logger("ddiloco.learner.comm", pid=os.getpid(), thread="comm-watch")
     sent = {s: rejoined for s in range(len(comm.lanes))}
     last: tuple[Any, ...] = ()
     last_at = 0.0
     parent = os.getppid()
     holding = False
-    while not stop.wait(0.05):
-        if stopped(parent):
-            if not holding:
-                for lane in comm.lanes:
-                    lane.link.call_soon(lambda: hold_while_stopped(parent))
-                holding = True
+    failures = 0
+    failing_since = logged_at = 0.0
+    while not stop.wait(WATCH_S):
+        try:
+            if stopped(parent):
+                if not holding:
+                    for lane in comm.lanes:
+                        lane.link.call_soon(lambda: hold_while_stopped(parent))
+                    holding = True
+                continue
+            holding = False
+            _pace(comm.stats, shared)
+            joins = [(lane.link.join.ready.is_set(), lane.link.join.error) for lane in comm.lanes]
+            key = (comm.draining.is_set(), joins)
+            now = time.monotonic()
+            if key != last or now - last_at >= 0.5:
+                _report(comm, outbox, sent)
+                last, last_at = key, now
+        except Exception as exc:
+            now = time.monotonic()
+            if not failures:
+                failing_since = logged_at = now
+                log.warning("communication process: a look at the training side failed; watching on",
+                            error=repr(exc), exc_info=True)
+            elif now - logged_at >= WATCH_LOG_EVERY_S:
+                logged_at = now
+                log.warning("communication process: looks at the training side still fail", error=repr(exc),
+                            failures=failures + 1, failing_s=round(now - failing_since, 1))
+            failures += 1
             continue
-        holding = False
-        _pace(comm.stats, shared)
-        joins = [(lane.link.join.ready.is_set(), lane.link.join.error) for lane in comm.lanes]
-        key = (comm.draining.is_set(), joins)
-        now = time.monotonic()
-        if key != last or now - last_at >= 0.5:
-            _report(comm, outbox, sent)
-            last, last_at = key, now
+        if failures:
+            log.info("communication process: looks at the training side work again", failures=failures,
+                     failing_s=round(time.monotonic() - failing_since, 1))
+            failures = 0
 
 
 def thread_ids(pid: int | None = None) -> set[int]:

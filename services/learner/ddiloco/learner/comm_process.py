@@ -2,9 +2,9 @@
 
 In thread mode (``comm.Comm``) the communication thread's Python (the event loop, gRPC, codecs,
 the wake-up of each hand-off) shares the interpreter lock with the training loop. Here the same
-``Comm`` runs in a child process (``comm_child.py``, ``python -m ddiloco.learner.comm_child``), and the training
-process holds ``ProcessComm``, which has ``Comm``'s methods and no event loop, no gRPC and no
-thread of its own:
+``Comm`` runs in a child process (``comm_child.py``, ``python -P -m ddiloco.learner.comm_child``: nothing in
+the learner's working directory is imported in it, ``CHILD_FLAGS``), and the training process holds
+``ProcessComm``, which has ``Comm``'s methods and no event loop, no gRPC and no thread of its own:
 
 - **Contributions** go out through shared memory: ``submit`` copies a fragment's outer gradient
   into a slot of a ``SlotPool`` (``slots.py``; the training process owns it) and writes a small
@@ -17,7 +17,10 @@ thread of its own:
   once per step boundary (``collect``); ``take_requests``, ``take_arrivals``... hand out what it
   brought. A merged fragment's values come back through shared memory too (``ReturnSlots``: the child copies them
   into a free slot, training copies them out and frees it, no message back); when every slot is
-  filled they follow their message on the channel.
+  filled they follow their message on the channel, and until they are written only the newest of
+  each fragment waits in the child (as thread mode's mailbox keeps it): while training is busy for
+  long (a long step, an evaluation) a fragment merged many times is held there at most twice (the
+  copy being written, the newest), not once per merge.
 - **Events** of the communication side are written to the learner's event log by the child as they
   happen (the same file, opened for appending: one ``write`` per line, so the lines of the two
   processes never interleave), as thread mode writes them. Those the training process acts on (a
@@ -92,6 +95,13 @@ boundary: every step, at a step of a few milliseconds, that was tens of microsec
 0.05 s it came every third step at 0.24M parameters, now every tenth."""
 STOP_TIMEOUT_S = 20.0
 """How long ``stop`` waits for the child to say goodbye before it is killed."""
+CHILD_FLAGS = ("-P",)
+"""The interpreter's flags for the child: ``-P`` leaves the working directory off its module
+path (``python -m`` puts it first, so a ``queue.py``, ``grpc.py`` or ``torch.py`` in the directory
+the learner was started in would run inside the child, with its access to the synchronizer and the
+token). Only that: ``PYTHONPATH`` (a ``pip install --target`` directory included) and the site
+directories are as in the training process, and the child keeps the working directory, so the
+relative paths of its settings (token file, TLS files) name the same files as in thread mode."""
 
 
 class CommProcessError(RuntimeError):
@@ -270,7 +280,8 @@ class ProcessComm:
         from_child, child_out = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "ddiloco.learner.comm_child", str(child_in.fileno()), str(child_out.fileno())],
+                [sys.executable, *CHILD_FLAGS, "-m", "ddiloco.learner.comm_child", str(child_in.fileno()),
+                 str(child_out.fileno())],
                 pass_fds=(child_in.fileno(), child_out.fileno(), self._pool.fd, self._shared.fd, self._returns.fd),
                 stdin=subprocess.DEVNULL)
         except BaseException:

@@ -53,6 +53,25 @@ class Arrival:
     """Fetched because the synchronizer said our state is unusable: apply as overwrite."""
 
 
+def carry(newer: Outgoing, older: Outgoing) -> None:
+    """``newer`` (the same fragment's, from the same base) takes the place of ``older``, which is
+    dropped unsent: measured from the same base, it holds ``older``'s progress too. It is a
+    hand-over only when both are: a hand-over holds the fraction of a period since the last send
+    and is merged without momentum, and one that carries a whole period's progress is not that
+    fraction. The one rule for every place a queued contribution replaces another (``submit``, and
+    ``requeue_unacked`` after a reconnect), as the synchronizer applies it when one replaces
+    another there."""
+    newer.hand_over = newer.hand_over and older.hand_over
+
+
+def supersedes(held: Arrival, arrival: Arrival) -> bool:
+    """Whether ``arrival`` takes the place of ``held``, a merged fragment of the same fragment not
+    taken by training yet: a newer version, or a resync (applied as an overwrite, whatever its
+    version). The one rule for what waits for training, in this mailbox and in the communication
+    process (``comm_child.py``), where only the newest of each fragment waits either."""
+    return arrival.version > held.version or arrival.resync
+
+
 HEAL_AFTER = 3
 """Contributions of one fragment refused for their content in a row before training heals it."""
 RECOVERABLE = frozenset({"stale", "future_version", "not_ready", "protocol"})
@@ -86,8 +105,8 @@ class Mailbox:
         with self._lock:
             queue = self._outbound.setdefault(out.fragment, [])
             old = queue.pop() if queue and queue[-1].base_version == out.base_version else None
-            if old is not None and not old.hand_over:
-                out.hand_over = False  # it holds the dropped one's whole period, not a hand-over's fraction
+            if old is not None:
+                carry(out, old)
             queue.append(out)
         if old is not None:
             self.events.emit(schema.DROPPED, sequence=old.sequence, fragment=old.fragment,
@@ -204,17 +223,21 @@ class Mailbox:
     def deliver(self, arrival: Arrival) -> None:
         with self._lock:
             cur = self._arrivals.get(arrival.fragment)
-            if cur is None or arrival.version > cur.version or arrival.resync:
+            if cur is None or supersedes(cur, arrival):
                 self._arrivals[arrival.fragment] = arrival
             self._lock.notify_all()
 
     def requeue_unacked(self) -> None:
-        """After a reconnect: contributions sent but not answered go back into the queue."""
+        """After a reconnect: contributions sent but not answered go back into the queue, but for
+        one that a newer contribution from its base, queued, carries (``carry``: that one is a
+        hand-over no more unless both were)."""
         with self._lock:
             # newest first, so an older one finds the newer one from its base that carries it
             for seq, out in sorted(self._unacked.items(), reverse=True):
                 queue = self._outbound.get(out.fragment, [])
-                if any(o.sequence > seq and o.base_version == out.base_version for o in queue):
+                newer = next((o for o in queue if o.sequence > seq and o.base_version == out.base_version), None)
+                if newer is not None:
+                    carry(newer, out)
                     self.events.emit(schema.DROPPED, sequence=seq, fragment=out.fragment,
                                      reason="unanswered at a reconnect; a newer contribution from the same "
                                             "base carries its progress")
