@@ -77,7 +77,7 @@ EQUIVALENTS: dict[str, Callable[[str, dict], bool]] = {
 }
 """Local kinds that have a Chaos Mesh experiment, and what that experiment must look like."""
 
-NO_EQUIVALENT = {"scale_up", "nan", "corrupt", "inflate", "overclaim", "net/reset"}
+NO_EQUIVALENT = {"scale_up", "nan", "corrupt", "inflate", "overclaim", "net/reset", "wipe_synchronizer"}
 """Local kinds that Chaos Mesh cannot inject; the runbook gives the kubectl command instead."""
 
 

@@ -11,6 +11,9 @@ how fast this machine happens to be):
 - ``stop``: SIGSTOP a learner for ``duration_s`` then SIGCONT (a straggler / frozen host);
 - ``kill_synchronizer``: SIGKILL the synchronizer, restart it after ``restart_after_s`` on the same
   state dir and port (learners reconnect by themselves);
+- ``wipe_synchronizer``: the same, with its state dir deleted before the restart (a lost volume):
+  the learners that hold its fragments seed it again (docs/sharding.md, "a shard that lost its
+  state");
 - ``net``: a network fault on one learner's link, through its ``FaultProxy``: ``latency`` (value =
   seconds), ``bandwidth`` (value = bytes/s), ``stall``, ``blackhole`` (both for ``duration_s``),
   ``reset`` (drop every connection);
@@ -44,8 +47,10 @@ from pydantic.dataclasses import dataclass as config_dataclass
 from ddiloco.core import events as schema
 from ddiloco.core.config import STRICT, build, read_file
 
-Kind = Literal["kill", "stop", "kill_synchronizer", "net", "scale_up", "drain", "nan", "corrupt", "inflate",
-               "overclaim"]
+Kind = Literal["kill", "stop", "kill_synchronizer", "wipe_synchronizer", "net", "scale_up", "drain", "nan", "corrupt",
+               "inflate", "overclaim"]
+SYNCHRONIZER_KINDS = ("kill_synchronizer", "wipe_synchronizer")
+"""Kinds whose target is a synchronizer shard (``synchronizer-s``; empty: every shard), not a learner."""
 KINDS: tuple[str, ...] = get_args(Kind)
 NET_FAULTS = ("latency", "bandwidth", "stall", "blackhole", "reset")
 
@@ -60,13 +65,13 @@ class FaultEvent:
     """Due once the target learner (without a target: the most advanced learner) has completed
     this many inner steps, over all its incarnations (or give ``at_s``)."""
     target: str = ""
-    """Learner id (kill, stop, net, drain); kill_synchronizer: one shard (``synchronizer-s``) or,
-    empty, every shard; ignored for scale_up."""
+    """Learner id (kill, stop, net, drain); kill_synchronizer, wipe_synchronizer: one shard
+    (``synchronizer-s``) or, empty, every shard; ignored for scale_up."""
     duration_s: float = 0.0
     """stop, stall, blackhole, latency, bandwidth: how long the fault lasts."""
     restart_after_s: float | None = None
-    """kill, kill_synchronizer: restart after this delay (None: stays down; the synchronizer is
-    always restarted, after 1 s if not given)."""
+    """kill, kill_synchronizer, wipe_synchronizer: restart after this delay (None: stays down; the
+    synchronizer is always restarted, after 1 s if not given)."""
     new_id: bool = False
     """kill: restart under a new learner id instead of the same one."""
     net: str = ""
@@ -108,6 +113,15 @@ class FaultPlan:
                           restart_after_s: float = 1.0, shard: int | None = None) -> FaultPlan:
         """Kill the synchronizer (every shard), or only shard ``shard`` of a sharded one."""
         self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="kill_synchronizer",
+                                      restart_after_s=restart_after_s,
+                                      target="" if shard is None else f"synchronizer-{shard}"))
+        return self
+
+    def wipe_synchronizer(self, *, at_s: float | None = None, at_step: int | None = None,
+                          restart_after_s: float = 1.0, shard: int | None = None) -> FaultPlan:
+        """Kill the synchronizer (every shard, or shard ``shard``) and delete its state dir before
+        the restart."""
+        self.events.append(FaultEvent(at_s=at_s, at_step=at_step, kind="wipe_synchronizer",
                                       restart_after_s=restart_after_s,
                                       target="" if shard is None else f"synchronizer-{shard}"))
         return self
@@ -245,7 +259,7 @@ class ChaosDriver:
         if event.at_s is not None:
             return time.time() >= self.started + event.at_s
         assert self.progress is not None and event.at_step is not None
-        learner = "" if event.kind == "kill_synchronizer" else event.target  # its target is a shard, not a learner
+        learner = "" if event.kind in SYNCHRONIZER_KINDS else event.target  # its target is a shard, not a learner
         return self.progress(learner) >= event.at_step
 
     def _main(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,6 +204,7 @@ class LocalCluster:
 
         self.driver = ChaosDriver(self.plan, {
             "kill": self._kill, "stop": self._stop, "kill_synchronizer": self._kill_synchronizer,
+            "wipe_synchronizer": self._wipe_synchronizer,
             "net": self._net, "scale_up": self._scale_up, "drain": self._drain, "nan": self._nan,
             "corrupt": self._corrupt, "inflate": self._inflate,
             "overclaim": self._overclaim}, log, progress=self._progress)
@@ -254,17 +256,24 @@ class LocalCluster:
 
         self.driver.later(e.duration_s, resume)
 
-    def _kill_synchronizer(self, e: FaultEvent) -> None:
-        """Every shard (no target), or the one named (``synchronizer-s``)."""
+    def _wipe_synchronizer(self, e: FaultEvent) -> None:
+        """``_kill_synchronizer`` with the state dir deleted before the restart."""
+        self._kill_synchronizer(e, wipe=True)
+
+    def _kill_synchronizer(self, e: FaultEvent, *, wipe: bool = False) -> None:
+        """Every shard (no target), or the one named (``synchronizer-s``); ``wipe``: its state dir is
+        deleted once it is dead, so it restarts without state."""
         names = self.synchronizer_names()
         if e.target and e.target not in names:
-            raise RuntimeError(f"kill_synchronizer target {e.target!r} is none of this run's {', '.join(names)}")
+            raise RuntimeError(f"{e.kind} target {e.target!r} is none of this run's {', '.join(names)}")
         for s, name in enumerate(names):
             if e.target and e.target != name:
                 continue
             proc = self._proc(name)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+            if wipe:
+                shutil.rmtree(self.state_dirs()[s], ignore_errors=True)
             with open(self.merge_logs()[s], "a") as f:
                 # no leading newline: a line the killed process left half-written is recovered by the reader
                 f.write(json.dumps(schema.record(schema.SYNCHRONIZER_LOG, schema.SYNC_STOP, {}, t=time.time())) + "\n")

@@ -37,6 +37,7 @@ class StateStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_STATUS_READY: _ClassVar[StateStatus]
     STATE_STATUS_GENESIS_REQUESTED: _ClassVar[StateStatus]
     STATE_STATUS_GENESIS_PENDING: _ClassVar[StateStatus]
+    STATE_STATUS_RESEED_WAIT: _ClassVar[StateStatus]
 
 class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -58,6 +59,8 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_TIMEOUT: _ClassVar[RejectReason]
     REJECT_REASON_NORM_OUTLIER: _ClassVar[RejectReason]
     REJECT_REASON_WEIGHT_OUTLIER: _ClassVar[RejectReason]
+    REJECT_REASON_CLAIM_OUTLIER: _ClassVar[RejectReason]
+    REJECT_REASON_FLEET_MISMATCH: _ClassVar[RejectReason]
 
 class ContributionOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -84,6 +87,7 @@ STATE_STATUS_UNSPECIFIED: StateStatus
 STATE_STATUS_READY: StateStatus
 STATE_STATUS_GENESIS_REQUESTED: StateStatus
 STATE_STATUS_GENESIS_PENDING: StateStatus
+STATE_STATUS_RESEED_WAIT: StateStatus
 REJECT_REASON_UNSPECIFIED: RejectReason
 REJECT_REASON_STALE: RejectReason
 REJECT_REASON_BAD_SHAPE: RejectReason
@@ -102,6 +106,8 @@ REJECT_REASON_FUTURE_VERSION: RejectReason
 REJECT_REASON_TIMEOUT: RejectReason
 REJECT_REASON_NORM_OUTLIER: RejectReason
 REJECT_REASON_WEIGHT_OUTLIER: RejectReason
+REJECT_REASON_CLAIM_OUTLIER: RejectReason
+REJECT_REASON_FLEET_MISMATCH: RejectReason
 CONTRIBUTION_OUTCOME_UNSPECIFIED: ContributionOutcome
 CONTRIBUTION_OUTCOME_MERGED: ContributionOutcome
 CONTRIBUTION_OUTCOME_REJECTED: ContributionOutcome
@@ -197,8 +203,14 @@ class FragmentVersion(_message.Message):
     version: int
     def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
+class FragmentTensors(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
 class Hello(_message.Message):
-    __slots__ = ("learner_id", "model_fingerprint", "layout_hash", "codecs", "protocol", "held", "software_version", "incarnation", "labels", "digest_only")
+    __slots__ = ("learner_id", "model_fingerprint", "layout_hash", "codecs", "protocol", "held", "software_version", "incarnation", "labels", "digest_only", "fleet_id", "fleet_versions", "layout")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +228,9 @@ class Hello(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    FLEET_ID_FIELD_NUMBER: _ClassVar[int]
+    FLEET_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     model_fingerprint: str
     layout_hash: str
@@ -226,7 +241,10 @@ class Hello(_message.Message):
     incarnation: int
     labels: _containers.ScalarMap[str, str]
     digest_only: bool
-    def __init__(self, learner_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_hash: _Optional[str] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., held: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., software_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., digest_only: _Optional[bool] = ...) -> None: ...
+    fleet_id: str
+    fleet_versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
+    layout: _containers.RepeatedCompositeFieldContainer[FragmentTensors]
+    def __init__(self, learner_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_hash: _Optional[str] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., held: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., software_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., digest_only: _Optional[bool] = ..., fleet_id: _Optional[str] = ..., fleet_versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., layout: _Optional[_Iterable[_Union[FragmentTensors, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("step", "tokens_total", "tokens_per_s", "step_time_s", "sent_at_unix", "training_done")
@@ -263,7 +281,7 @@ class LearnerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., chunk: _Optional[_Union[FragmentChunk, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("synchronizer_id", "protocol", "versions", "state", "heartbeat_interval_s", "shard_index", "shard_count", "fleet_step", "digest_only", "trailing_digest")
+    __slots__ = ("synchronizer_id", "protocol", "versions", "state", "heartbeat_interval_s", "shard_index", "shard_count", "fleet_step", "digest_only", "trailing_digest", "fleet_id", "detail")
     SYNCHRONIZER_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +292,8 @@ class Welcome(_message.Message):
     FLEET_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ONLY_FIELD_NUMBER: _ClassVar[int]
     TRAILING_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FLEET_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     synchronizer_id: str
     protocol: ProtocolParams
     versions: _containers.RepeatedCompositeFieldContainer[FragmentVersion]
@@ -284,7 +304,9 @@ class Welcome(_message.Message):
     fleet_step: int
     digest_only: bool
     trailing_digest: bool
-    def __init__(self, synchronizer_id: _Optional[str] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., state: _Optional[_Union[StateStatus, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., fleet_step: _Optional[int] = ..., digest_only: _Optional[bool] = ..., trailing_digest: _Optional[bool] = ...) -> None: ...
+    fleet_id: str
+    detail: str
+    def __init__(self, synchronizer_id: _Optional[str] = ..., protocol: _Optional[_Union[ProtocolParams, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[FragmentVersion, _Mapping]]] = ..., state: _Optional[_Union[StateStatus, str]] = ..., heartbeat_interval_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., fleet_step: _Optional[int] = ..., digest_only: _Optional[bool] = ..., trailing_digest: _Optional[bool] = ..., fleet_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ContributionResult(_message.Message):
     __slots__ = ("sequence", "fragment_id", "outcome", "version", "reason", "detail", "weight", "staleness")

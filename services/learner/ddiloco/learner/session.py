@@ -7,6 +7,31 @@ training goes on. Contributions sent but not yet answered are sent again after a
 under the same sequence number; the synchronizer answers a duplicate of an already merged
 contribution without merging it twice. Everything it exchanges with training goes through the
 ``Mailbox``.
+
+**The fleet.** The links to every shard share a ``FleetView`` (what this learner knows of its
+fleet: each shard's last Welcome, the fleet id of the shards holding state). Every Hello names that
+fleet id and the versions of every fragment the learner holds or was told of
+(``fleet_versions``), so a shard that lost its state can tell a learner that trained with the
+fleet from a newcomer, and asks only the former to seed it again. Two rules follow:
+
+- A link uploads a genesis only once every shard has answered it (until then a newcomer would not
+  know that the fleet merged elsewhere, and a new fleet's shards would not agree on an id), and
+  only under the fleet id its Hello named: the id of the shards holding state, else the one the
+  lowest shard that answered was asked to record, else (nothing heard yet) this process's own
+  fresh proposal. Otherwise it says Hello again: a new fleet's shards all record the id the
+  lowest shard got, whichever learners seed them.
+- A joined link asked for a genesis (its synchronizer lost its state and it holds that shard's
+  fragments) re-seeds it: with the newest global version of each fragment it received (or
+  uploaded as its genesis), at that version, so the fleet goes on where it was. In thread mode
+  those globals are the learner's own bases, so keeping them costs nothing (a genesis upload's
+  values are kept beside the bases until the fragment's first merge). The communication process
+  (``learner.comm: process``) keeps none: it re-seeds from the learner's current parameters at the
+  versions held (its progress since those versions goes in with them), and only if it never read
+  the genesis values before (it reads them once, and would upload the initialization kept from
+  then); otherwise it declines, and another learner or the operator re-seeds.
+
+A shard whose state names another fleet than the one the learner's other shards hold is refused
+before the first join (the addresses mix two runs) and retried after it.
 """
 
 from __future__ import annotations
@@ -15,6 +40,7 @@ import asyncio
 import contextlib
 import os
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +79,64 @@ async def off_loop(numel: int, fn: Callable[..., Any], /, *args: Any, **kwargs: 
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
+class FleetView:
+    """What one learner process knows of its fleet, shared by its links to every shard: each
+    shard's last Welcome and the fleet id of the shards that hold state. Thread-safe (each link
+    runs its own event loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._welcomes: dict[int, wire.Welcome] = {}
+        self.candidate = "fleet-" + secrets.token_hex(8)
+        """The id this learner proposes for a new fleet before any shard has answered it."""
+        self.fleet_id = ""
+        """The fleet of the shards holding state (from the first such Welcome); "" before one did."""
+        self.source = -1
+        """The shard ``fleet_id`` was first heard from."""
+        self.genesis_read = False
+        """Whether a link of this process read ``genesis_values`` (the communication process's
+        reads them once and returns those ever after: the initialization, not current values)."""
+
+    def heard(self, shard: int, welcome: wire.Welcome) -> str | None:
+        """Record ``shard``'s Welcome; when it holds state of another fleet than the one adopted,
+        the id it names (the Welcome is not recorded then)."""
+        with self._lock:
+            if welcome.state == "ready" and welcome.fleet_id:
+                if not self.fleet_id:
+                    self.fleet_id, self.source = welcome.fleet_id, shard
+                elif welcome.fleet_id != self.fleet_id:
+                    return welcome.fleet_id
+            self._welcomes[shard] = welcome
+            return None
+
+    def complete(self, shards: int) -> bool:
+        """Whether every one of ``shards`` shards has answered."""
+        with self._lock:
+            return all(s in self._welcomes for s in range(shards))
+
+    def proposal(self) -> str:
+        """The fleet id this learner names: its fleet's; before any shard holds state, the one the
+        lowest shard that answered will record; before any answered, its own candidate ("" once
+        only synchronizers older than fleet ids answered)."""
+        with self._lock:
+            if self.fleet_id:
+                return self.fleet_id
+            if not self._welcomes:
+                return self.candidate
+            return next((self._welcomes[s].fleet_id for s in sorted(self._welcomes) if self._welcomes[s].fleet_id), "")
+
+    def versions(self, held: dict[int, int]) -> dict[int, int]:
+        """The newest version of every fragment the learner holds (``held``) or was told of by a
+        Welcome of its fleet."""
+        out = dict(held)
+        with self._lock:
+            for w in self._welcomes.values():
+                if w.state == "ready" and w.fleet_id == self.fleet_id:
+                    for p, v in w.versions.items():
+                        out[p] = max(out.get(p, v), v)
+        return out
+
+
 @dataclass
 class LiveStats:
     step: int = 0
@@ -61,6 +145,8 @@ class LiveStats:
     step_time_s: float = 0.0
     """Recent wall time per inner step (what paces the fleet's clock)."""
     training_done: bool = False
+    fleet: FleetView = field(default_factory=FleetView)
+    """What the learner knows of its fleet: every lane's link shares this object (so this view)."""
 
 
 @dataclass
@@ -164,6 +250,14 @@ class Link:
         self._transfer_id = 0
         self._heartbeat_s = cfg.heartbeat_s
         self._backoff = ReconnectBackoff(max_s=cfg.reconnect_max_s)
+        self.fleet = self.stats.fleet
+        self._layout = tuple(f.tensors for f in layout) if shards > 1 else ()
+        """The whole layout, sent in a sharded learner's Hello (a shard checks a genesis with it)."""
+        self._globals: dict[int, tuple[int, torch.Tensor]] | None = {} if cfg.comm != "process" else None
+        """This shard's fragments: the newest global received (or uploaded as genesis) of each
+        (version, values), what a re-seed uploads. Thread mode only: the values are the learner's
+        own bases, kept at no cost."""
+        self._waiting = ""
 
     # -- from the training thread ---------------------------------------------------------
 
@@ -235,8 +329,16 @@ class Link:
         try:
             welcome = await stream.open(self._hello())
             self._check_shard(welcome)
+            self._check_fleet(welcome)
+            if welcome.state == "reseed_wait":
+                if welcome.detail != self._waiting:
+                    self.log.warning("the synchronizer lost its state and waits for a learner that can re-seed it",
+                                     detail=welcome.detail, fleet_id=welcome.fleet_id)
+                self._waiting = welcome.detail
+                raise _Reconnect(f"waiting for a re-seed: {welcome.detail}")
             if welcome.state == "genesis_pending":
                 raise _Reconnect("genesis pending at the synchronizer")
+            self._waiting = ""
             restarted = bool(self.synchronizer_id) and welcome.synchronizer_id != self.synchronizer_id
             self.synchronizer_id = welcome.synchronizer_id
             self._heartbeat_s = welcome.heartbeat_interval_s or cfg.heartbeat_s
@@ -296,20 +398,66 @@ class Link:
             self.stop.set()
         raise _Reconnect(why)
 
+    def _check_fleet(self, welcome: wire.Welcome) -> None:
+        """A shard holding state must be of the fleet the learner's other shards hold: before the
+        first join, another fleet's shard is a refusal (the addresses mix two runs); after, a retry."""
+        theirs = self.fleet.heard(self.shard, welcome)
+        if theirs is None:
+            return
+        why = (f"the synchronizer at {self.target} (shard {self.shard}/{self.shards}) holds the state of fleet "
+               f"{theirs}, shard {self.fleet.source} of fleet {self.fleet.fleet_id}: the addresses name shards of "
+               "two runs")
+        if not self.joined:
+            self.join.error = why
+            self.join.ready.set()
+            self.stop.set()
+        raise _Reconnect(why)
+
     def _hello(self) -> wire.Hello:
         held = self.held() if self.joined else {}
+        known = dict(held)
+        for p, (v, _) in (self._globals or {}).items():
+            known[p] = max(known.get(p, v), v)
         return wire.Hello(
             learner_id=self.learner_id, model_fingerprint=self.model_fingerprint,
             layout_hash=self.layout.fingerprint, protocol=wire.ProtocolParams.from_config(self.cfg.protocol),
             held={p: v for p, v in held.items() if p in self.fragments}, incarnation=self.incarnation,
-            software_version=_version(), labels={**self.labels, "pid": str(os.getpid())})
+            software_version=_version(), labels={**self.labels, "pid": str(os.getpid())},
+            fleet_id=self._fleet_named(held), fleet_versions=self.fleet.versions(known), layout=self._layout)
+
+    def _fleet_named(self, held: dict[int, int]) -> str:
+        """The fleet id this Hello names. A learner that holds merged versions but has heard no
+        fleet id in this process (its communication process was started again) does not know its
+        fleet: it names none rather than a fresh proposal, which a synchronizer holding state would
+        take for another fleet's learner and refuse."""
+        if not self.fleet.fleet_id and any(v > 0 for v in held.values()):
+            return ""
+        return self.fleet.proposal()
+
+    def _keep(self, fragment: int, version: int, values: torch.Tensor, *, resync: bool = False) -> None:
+        """Remember the newest global of one of this shard's fragments (a resync's, whatever its version)."""
+        if self._globals is None or fragment not in self.fragments:
+            return
+        kept = self._globals.get(fragment)
+        if resync or kept is None or version >= kept[0]:
+            self._globals[fragment] = (version, values)
 
     async def _join(self, stream: SyncStream, welcome: wire.Welcome) -> None:
         if welcome.state == "genesis_requested":
+            if self.shards > 1 and not self.fleet.complete(self.shards):
+                raise _Reconnect("genesis requested: waiting for every shard's Welcome first (the fleet's id and "
+                                 "versions)")
+            named = self.fleet.proposal()
+            if welcome.fleet_id != named:
+                raise _Reconnect(f"genesis requested under fleet {welcome.fleet_id!r}, this learner's fleet is "
+                                 f"{named!r}: saying Hello again")
             if self.joined:
-                raise _Reconnect("synchronizer lost its state and asks for genesis; refusing to re-seed it")
+                await self._reseed(stream, welcome)
+                return
+            self.fleet.genesis_read = True
             values = self.genesis_values()
             for p in self.fragments:
+                self._keep(p, 0, values[p])
                 frag = self.layout[p]
                 self._transfer_id += 1
                 chunks = await off_loop(
@@ -327,6 +475,8 @@ class Link:
             self.join.fleet_step = welcome.fleet_step
             fetched = await self._fetch(stream, ())
             self.join.fetched = {p: (a.version, a.values) for p, a in fetched.items()}
+            for p, a in fetched.items():
+                self._keep(p, a.version, a.values)
             self.joined = True
             self.join.ready.set()
             self.log.info("state fetched", versions={p: v for p, (v, _) in self.join.fetched.items()})
@@ -335,6 +485,35 @@ class Link:
         behind = tuple(p for p, v in welcome.versions.items() if v > held.get(p, -1))
         if behind:  # broadcasts missed while disconnected
             await self._fetch_deliver(stream, behind)
+
+    async def _reseed(self, stream: SyncStream, welcome: wire.Welcome) -> None:
+        """The synchronizer lost its state and asks this learner, which holds its fragments, to seed
+        it again: the newest global of each fragment, at its version (in the communication process,
+        which keeps none: the current parameters, at the versions held)."""
+        kept = self._globals or {}
+        if not all(p in kept for p in self.fragments) and self.fleet.genesis_read:
+            raise _Reconnect("the synchronizer lost its state and asks this learner to re-seed it; this communication "
+                             "process read the genesis values already and would upload the initialization: declining")
+        current: dict[int, torch.Tensor] = {}
+        if not all(p in kept for p in self.fragments):
+            self.fleet.genesis_read = True
+            current = self.genesis_values()
+        # after the values: the communication process's held versions are written where it reads
+        # them at the training side's next boundary, the one that answers for the values
+        held = self.held()
+        versions = {}
+        for p in self.fragments:
+            frag = self.layout[p]
+            version, values = kept[p] if p in kept else (held.get(p, 0), current[p])
+            versions[p] = version
+            self._transfer_id += 1
+            chunks = await off_loop(
+                frag.numel, encode_fragment, values, frag, codec=make_codec("fp32"), kind="genesis", version=version,
+                transfer_id=self._transfer_id, layout_hash=self.layout.fingerprint,
+                max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, frame=wire.frame_chunks)
+            await stream.send_transfer(chunks)
+        self.log.warning("re-seeded a synchronizer that lost its state", fleet_id=welcome.fleet_id, versions=versions,
+                         synchronizer_id=welcome.synchronizer_id)
 
     async def _fetch(self, stream: SyncStream, fragments: tuple[int, ...], resync: bool = False) -> dict[int, Arrival]:
         transfers = await stream.fetch_state(self.learner_id, fragments)
@@ -357,6 +536,7 @@ class Link:
                 self.mailbox.want_resync(fragments)
             raise
         for a in fetched.values():
+            self._keep(a.fragment, a.version, a.values, resync=resync)
             self.mailbox.deliver(a)
             if resync and self.feedback is not None:
                 self.feedback.reset(a.fragment)
@@ -409,6 +589,7 @@ class Link:
             if isinstance(msg, Transfer):
                 self.bytes_received += msg.header.encoded_bytes
                 values = await off_loop(msg.header.num_values, decode_fragment, msg, self.layout)
+                self._keep(msg.header.fragment_id, msg.header.version, values)
                 self.mailbox.deliver(Arrival(msg.header.fragment_id, msg.header.version, values))
             elif isinstance(msg, wire.ContributionResult):
                 self.mailbox.settle(msg)

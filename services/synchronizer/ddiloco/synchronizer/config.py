@@ -117,6 +117,14 @@ class SynchronizerConfig:
     after a restart on existing state (``rejoin_window_s`` does that)."""
     start_window_s: float = 60.0
     """Longest wait of the start hold, seconds."""
+    reseed: bool = False
+    """An operator's explicit re-seed of a synchronizer (shard) that lost its state. Without state,
+    once the learners' Hellos show that the fleet has merged versions, only a learner holding this
+    synchronizer's fragments of that fleet may seed it (``genesis``), and any other is told to wait.
+    True: the next learner to say Hello seeds it whatever it holds (logged as the operator's
+    re-seed): for a fleet whose learners that held those fragments are all gone. Its fragments
+    then start over at version 0 from that learner's values (unless it holds them: then they go
+    on from its versions). No effect on a state dir that holds state. Flag ``--reseed``."""
     heartbeat_interval_s: float = 1.0
     """How often learners are asked to heartbeat."""
     heartbeat_timeout_s: float = 10.0

@@ -233,32 +233,43 @@ class Engine:
     # -- sessions -------------------------------------------------------------------------
 
     def hello(self, hello: Hello) -> tuple[LearnerRecord, Welcome]:
-        """Admit a learner's stream, or raise Refused."""
+        """Admit a learner's stream, or raise Refused. Without state, ``genesis`` decides who seeds
+        it (and refuses a learner that cannot seed a lost state: ``reseed_wait``)."""
         mine = self.protocol_params()
         check_hello(hello, mine, self.state)
+        if self.state is not None and hello.held and hello.fleet_id and hello.fleet_id != self.state.fleet_id:
+            # a learner holding another fleet's versions (one that holds none only proposes an id)
+            raise Refused("FAILED_PRECONDITION", "fleet_mismatch",
+                          f"this synchronizer (shard {self.cfg.shard_index}/{self.cfg.shard_count}) holds the state of "
+                          f"fleet {self.state.fleet_id}, the learner holds versions of fleet {hello.fleet_id}: a "
+                          "shard or a learner of another run")
+        if self.state is None:
+            self.genesis.check(hello)
         now = self.clock()
         try:
             rec = self.membership.attach(hello.learner_id, now, hello.incarnation, hello.labels)
         except OverflowError as exc:
             raise Refused("RESOURCE_EXHAUSTED", "protocol", str(exc)) from exc
         rec.held = dict(hello.held)
-        if self.ready:
-            state = "ready"
+        detail = ""
+        if self.state is not None:
+            state, fleet_id = "ready", self.state.fleet_id
             ahead = [p for p, v in hello.held.items() if p in self.fragments and v > self.fragments[p].version]
             if ahead:
                 rec.outbox.put_control(Resync(fragment_ids=tuple(ahead), reason="future_version",
                                               detail="you hold versions newer than the synchronizer's"))
         else:
-            state = self.genesis.on_hello(hello, rec, self.membership)
+            state, detail = self.genesis.on_hello(hello, rec, self.membership, operator_reseed=self.cfg.reseed)
+            fleet_id = self.genesis.welcome_fleet(state, hello)
         self.metrics.connected_learners.set(len(self.membership.connected()))
         self._poke_all()
         self.log.info("learner connected", learner_id=hello.learner_id, state=state,
-                      incarnation=hello.incarnation, labels=hello.labels)
+                      incarnation=hello.incarnation, labels=hello.labels, fleet_id=fleet_id)
         welcome = Welcome(synchronizer_id=self.synchronizer_id, protocol=mine, state=state,
                           versions={p: f.version for p, f in self.fragments.items()},
                           heartbeat_interval_s=self.cfg.heartbeat_interval_s,
                           shard_index=self.cfg.shard_index, shard_count=self.cfg.shard_count,
-                          fleet_step=int(self.fleet.steps))
+                          fleet_step=int(self.fleet.steps), fleet_id=fleet_id, detail=detail)
         return rec, welcome
 
     def touch(self, rec: LearnerRecord) -> None:

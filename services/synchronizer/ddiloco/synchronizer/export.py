@@ -21,7 +21,12 @@ Design decisions:
   unless ``--with-momentum`` asks for it under a prefix that loaders skip.
 - **Sharded synchronizers**: each shard's state dir holds its own fragments; ``--state-dir`` may be
   given once per shard and the fragments are put together (fingerprints must agree, every fragment
-  must come from exactly one of them).
+  must come from exactly one of them). The shards must be of one fleet: every state dir records
+  its fleet id (``fleet.json``; one from before fleet ids derives the id it would adopt), and state
+  dirs of two fleets (shard 0 of one run, shard 1 of another, same model) are refused. Each
+  shard's last commit time and versions are reported, and shards whose last commits are more than
+  ``--max-commit-skew-s`` apart (a shard that stopped long before the others, or a state dir kept
+  from an earlier attempt) are refused unless ``--accept-skew`` says the mix is meant.
 - **Nothing half-written, nothing clobbered.** Every check (state dir, meta.json, a verifying
   version of every fragment, the output folder) happens before anything is written. The file is
   written to a temp name in the output folder, fsynced, and then linked (no ``--force``: the link
@@ -46,6 +51,7 @@ import torch
 
 from ddiloco.fragments.outer_gradient import scatter
 from ddiloco.fragments.partition import Fragment, FragmentLayout, dtype_from_name
+from ddiloco.synchronizer.recovery import derived_fleet_id, read_fleet
 from ddiloco.synchronizer.store import (
     META,
     FragmentRecord,
@@ -59,6 +65,11 @@ FORMAT = "ddiloco-export/1"
 """The ``format`` metadata value; a loader refuses formats it does not know."""
 MOMENTUM_PREFIX = "outer_momentum."
 """With ``--with-momentum``, the outer momentum of tensor ``name`` is stored as ``outer_momentum.name``."""
+MAX_COMMIT_SKEW_S = 600.0
+"""Default bound on how far apart the shards' last commits may be (``--max-commit-skew-s``). A live
+fleet's shards each commit every few sync periods, and a finished run's last commits are seconds
+apart; ten minutes leaves room for a slow fleet and still catches a shard that stopped (or a state
+dir left from another attempt) long before the rest."""
 
 
 class ExportError(Exception):
@@ -84,10 +95,35 @@ class StateSnapshot:
     protocol: dict
     sources: dict[int, pathlib.Path] = field(default_factory=dict)
     """The state dir each fragment was read from."""
+    fleet_id: str = ""
+    """The fleet every state dir belongs to."""
+    shards: list[ShardReport] = field(default_factory=list)
+    """Per state dir: its shard, last commit and versions (in the order given)."""
 
     @property
     def versions(self) -> dict[int, int]:
         return {p: r.version for p, r in sorted(self.records.items())}
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """What one state dir contributed."""
+
+    root: pathlib.Path
+    shard: str
+    """"s/S" ("0/1": not sharded)."""
+    fleet_id: str
+    last_commit_unix: float
+    """The newest commit time of the versions taken from it."""
+    versions: dict[int, int]
+
+    def line(self) -> str:
+        return (f"shard {self.shard} ({self.root}): fleet {self.fleet_id}, last commit {_utc(self.last_commit_unix)}, "
+                f"versions {', '.join(f'{p}={v}' for p, v in sorted(self.versions.items()))}")
+
+
+def _utc(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def parse_versions(text: str) -> dict[int, int]:
@@ -134,13 +170,30 @@ def _missing_shards(metas: list[dict[str, Any]]) -> str:
     return f"; shards {missing} of {count} are missing" if missing else ""
 
 
-def read_state(state_dirs: list[str | os.PathLike[str]], pins: dict[int, int] | None = None) -> StateSnapshot:
+def _fleet_of(root: pathlib.Path, meta: dict) -> str:
+    """The state dir's fleet id (one from before fleet ids: the id it adopts on its next start)."""
+    try:
+        fleet = read_fleet(root)
+    except StateError as exc:
+        raise ExportError(str(exc)) from None
+    return fleet["fleet_id"] if fleet is not None else derived_fleet_id(meta)
+
+
+def read_state(state_dirs: list[str | os.PathLike[str]], pins: dict[int, int] | None = None, *,
+               max_skew_s: float | None = MAX_COMMIT_SKEW_S) -> StateSnapshot:
     """Every fragment's newest verifying committed version (or the pinned one) from ``state_dirs``
-    (one, or one per synchronizer shard). Raises ExportError when any fragment has none."""
+    (one, or one per synchronizer shard). Raises ExportError when any fragment has none, when the
+    state dirs are of different fleets, or when their last commits are more than ``max_skew_s``
+    apart (None: any skew is accepted)."""
     if not state_dirs:
         raise ExportError("no state dir given")
     roots = [pathlib.Path(d) for d in state_dirs]
     metas = [_read_meta(root) for root in roots]
+    fleets = [_fleet_of(root, meta) for root, meta in zip(roots, metas, strict=True)]
+    for root, fleet in zip(roots[1:], fleets[1:], strict=True):
+        if fleet != fleets[0]:
+            raise ExportError(f"state dirs {roots[0]} and {root} belong to different fleets ({fleets[0]} vs {fleet}): "
+                              "shards of two runs make no model; give the state dirs of one fleet's shards")
     first = metas[0]
     for root, meta in zip(roots[1:], metas[1:], strict=True):
         if meta["model_fingerprint"] != first["model_fingerprint"]:
@@ -216,8 +269,23 @@ def read_state(state_dirs: list[str | os.PathLike[str]], pins: dict[int, int] | 
                                   f"(files on disk: {store.versions(p) or 'none'}; torn or corrupt files are "
                                   "never exported)")
         records[p] = rec
+    shards = []
+    for root, meta, fleet in zip(roots, metas, fleets, strict=True):
+        taken = {p: r for p, r in records.items() if sources[p] == root}
+        shards.append(ShardReport(root, str(meta.get("shard", "0/1")), fleet,
+                                  max(r.committed_at for r in taken.values()), {p: r.version for p, r in taken.items()}))
+    newest = max(shards, key=lambda r: r.last_commit_unix)
+    oldest = min(shards, key=lambda r: r.last_commit_unix)
+    skew = newest.last_commit_unix - oldest.last_commit_unix
+    if max_skew_s is not None and skew > max_skew_s:
+        raise ExportError(
+            f"the shards' last commits are {skew:.0f}s apart, more than --max-commit-skew-s {max_skew_s:g}: shard "
+            f"{oldest.shard} last committed at {_utc(oldest.last_commit_unix)}, shard {newest.shard} at "
+            f"{_utc(newest.last_commit_unix)} (a shard that stopped long before the others, or a state dir from "
+            "another attempt); pass --accept-skew to export them together anyway")
     model = next((m["model"] for m in metas if m.get("model") is not None), None)
-    return StateSnapshot(layout, records, first["model_fingerprint"], model, first["protocol"], sources)
+    return StateSnapshot(layout, records, first["model_fingerprint"], model, first["protocol"], sources, fleets[0],
+                         shards)
 
 
 def state_tensors(snapshot: StateSnapshot, *, with_momentum: bool = False) -> dict[str, torch.Tensor]:
@@ -256,6 +324,7 @@ def export_metadata(snapshot: StateSnapshot, *, with_momentum: bool = False,
         "protocol": json.dumps(snapshot.protocol, sort_keys=True),
         "exported_at": now.isoformat(timespec="seconds").replace("+00:00", "Z"),
         "software_version": __version__,
+        "fleet_id": snapshot.fleet_id,
     }
     if snapshot.model is not None:
         meta["model"] = snapshot.model
@@ -331,17 +400,25 @@ class ExportSummary:
 
 def export(state_dirs: list[str | os.PathLike[str]], out: str | os.PathLike[str], *,
            pins: dict[int, int] | None = None, force: bool = False, with_momentum: bool = False,
-           report: Callable[[str], None] | None = None) -> ExportSummary:
+           report: Callable[[str], None] | None = None,
+           max_skew_s: float | None = MAX_COMMIT_SKEW_S) -> ExportSummary:
     """Export the committed global model to ``out``; ExportError (nothing written) when it cannot.
 
-    ``report`` receives one line per step (what was found, each fragment's version)."""
+    ``report`` receives one line per step (what was found, each shard's last commit, each
+    fragment's version). ``max_skew_s``: see ``read_state``."""
     say = report or (lambda _line: None)
     out = pathlib.Path(out)
     check_destination(out, force=force)
-    snapshot = read_state(state_dirs, pins)
+    snapshot = read_state(state_dirs, pins, max_skew_s=max_skew_s)
     say(f"{', '.join(str(d) for d in state_dirs)}: {snapshot.layout.num_fragments} fragments, model "
         f"{snapshot.model_fingerprint}, layout {snapshot.layout.fingerprint}"
         + ("" if snapshot.model is not None else " (no model description recorded)"))
+    for shard in snapshot.shards:
+        say(f"  {shard.line()}")
+    if len(snapshot.shards) > 1:
+        times = [r.last_commit_unix for r in snapshot.shards]
+        say(f"  the shards' last commits are {max(times) - min(times):.0f}s apart"
+            + (" (accepted: --accept-skew)" if max_skew_s is None else f" (at most {max_skew_s:g}s allowed)"))
     for p, rec in sorted(snapshot.records.items()):
         frag = snapshot.layout[p]
         say(f"  fragment {p}: version {rec.version} ({rec.merges} merge{'' if rec.merges == 1 else 's'}), "
@@ -366,14 +443,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--with-momentum", action="store_true",
                         help=f"also write the outer momentum, as {MOMENTUM_PREFIX}NAME tensors")
+    parser.add_argument("--max-commit-skew-s", type=float, default=MAX_COMMIT_SKEW_S, metavar="S",
+                        help="refuse shards whose last commits are more than S seconds apart "
+                             f"(default {MAX_COMMIT_SKEW_S:g})")
+    parser.add_argument("--accept-skew", action="store_true",
+                        help="export shards whose last commits are further apart than --max-commit-skew-s")
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
         print(f"ddiloco export: {line}", file=sys.stderr)
 
     try:
+        if not args.max_commit_skew_s >= 0:
+            raise ExportError(f"--max-commit-skew-s must be >= 0, got {args.max_commit_skew_s:g}")
         summary = export(args.state_dirs, args.out, pins=parse_versions(args.fragment_versions), force=args.force,
-                         with_momentum=args.with_momentum, report=say)
+                         with_momentum=args.with_momentum, report=say,
+                         max_skew_s=None if args.accept_skew else args.max_commit_skew_s)
     except ExportError as exc:
         say(f"{exc}; nothing written")
         return 2

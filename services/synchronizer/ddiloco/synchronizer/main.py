@@ -33,7 +33,7 @@ def config_from_args(args: argparse.Namespace) -> SynchronizerConfig:
     return synchronizer_config(document, args.mode, listen=args.listen, state_dir=args.state_dir,
                                metrics_port=args.metrics_port, event_log=args.event_log,
                                auth_tokens_file=args.auth_tokens_file, shard_index=shard_index,
-                               shard_count=shard_count)
+                               shard_count=shard_count, reseed=True if args.reseed else None)
 
 
 async def serve(cfg: SynchronizerConfig, ready_file: str | None = None) -> int:
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", metavar="s/S",
                         help="serve shard s of S (it owns fragments p with p mod S == s; its own --state-dir); "
                              "ordinal/S takes s from the host name's trailing -N (a StatefulSet pod)")
+    parser.add_argument("--reseed", action="store_true",
+                        help="an operator's re-seed of a state dir that was lost: the next learner seeds it even "
+                             "though the fleet has merged versions it does not hold (synchronizer.reseed)")
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port")
     parser.add_argument("--auth-tokens-file", dest="auth_tokens_file",
                         help="YAML/JSON file of identity: token (a mounted Secret; re-read when it changes)")
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ddiloco synchronizer: {exc}", file=sys.stderr)
         return 2
+    if cfg.reseed:
+        get_logger("ddiloco.synchronizer").warning(
+            "operator re-seed allowed: without state, the next learner seeds this synchronizer whatever it holds",
+            state_dir=cfg.state_dir, shard=f"{cfg.shard_index}/{cfg.shard_count}")
     from ddiloco.synchronizer.store import StateError  # imports torch: not for a refused command line
 
     try:

@@ -33,6 +33,9 @@ needs a filesystem whose locks work across every machine that mounts it: a local
 ReadWriteOnce volume, NFSv4, or NFSv3 with lockd (not mounted ``local_lock=flock`` or ``all``,
 which keeps locks on one machine); where locking fails, the start is refused.
 Readers (``export``, ``eval``) do not lock and do not use ``StateStore()`` (``export._StateReader``).
+
+Beside ``meta.json`` lies ``fleet.json``: the id of the fleet the state belongs to and how it was
+made (``genesis``), written before ``meta.json``, so a state dir with meta has its fleet id.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ _KINDS = {"contribution": pb.PAYLOAD_KIND_CONTRIBUTION, "genesis": pb.PAYLOAD_KI
           "global": pb.PAYLOAD_KIND_GLOBAL}
 _KINDS_BY_VALUE = {v: k for k, v in _KINDS.items()}
 _STATES = {"ready": pb.STATE_STATUS_READY, "genesis_requested": pb.STATE_STATUS_GENESIS_REQUESTED,
-           "genesis_pending": pb.STATE_STATUS_GENESIS_PENDING}
+           "genesis_pending": pb.STATE_STATUS_GENESIS_PENDING, "reseed_wait": pb.STATE_STATUS_RESEED_WAIT}
 _STATES_BY_VALUE = {v: k for k, v in _STATES.items()}
 _OUTCOMES = {"merged": pb.CONTRIBUTION_OUTCOME_MERGED, "rejected": pb.CONTRIBUTION_OUTCOME_REJECTED,
              "superseded": pb.CONTRIBUTION_OUTCOME_SUPERSEDED}
@@ -105,11 +105,31 @@ def _versions_from_pb(items: Iterable[pb.FragmentVersion]) -> dict[int, int]:
     return {m.fragment_id: m.version for m in items}
 
 
+def _tensor_to_pb(t: TensorSpec) -> pb.TensorSpec:
+    return pb.TensorSpec(name=t.name, shape=list(t.shape), dtype=_DTYPES[t.dtype])
+
+
+def _tensor_from_pb(t: pb.TensorSpec) -> TensorSpec:
+    if t.dtype not in _DTYPES_BY_VALUE:
+        raise HeaderError(f"tensor {t.name!r} has unknown dtype enum {t.dtype}")
+    if any(s < 0 for s in t.shape):
+        raise HeaderError(f"tensor {t.name!r} has a negative dimension")
+    return TensorSpec(t.name, tuple(t.shape), _DTYPES_BY_VALUE[t.dtype])
+
+
+def _layout_to_pb(layout: tuple[tuple[TensorSpec, ...], ...]) -> list[pb.FragmentTensors]:
+    return [pb.FragmentTensors(tensors=[_tensor_to_pb(t) for t in frag]) for frag in layout]
+
+
+def _layout_from_pb(items: Iterable[pb.FragmentTensors]) -> tuple[tuple[TensorSpec, ...], ...]:
+    return tuple(tuple(_tensor_from_pb(t) for t in frag.tensors) for frag in items)
+
+
 def header_to_pb(h: TransferHeader) -> pb.FragmentHeader:
     return pb.FragmentHeader(
         kind=_KINDS[h.kind], fragment_id=h.fragment_id, version=h.version, sequence=h.sequence,
         tokens=h.tokens, steps=h.steps, codec=codec_to_pb(h.codec), block_size=h.block_size,
-        tensors=[pb.TensorSpec(name=t.name, shape=list(t.shape), dtype=_DTYPES[t.dtype]) for t in h.tensors],
+        tensors=[_tensor_to_pb(t) for t in h.tensors],
         num_values=h.num_values, encoded_bytes=h.encoded_bytes, chunk_count=h.chunk_count, digest=h.digest,
         layout_hash=h.layout_hash, learner_step=h.learner_step, sent_at_unix=h.sent_at_unix, round=h.round,
         hand_over=h.hand_over,
@@ -119,13 +139,7 @@ def header_to_pb(h: TransferHeader) -> pb.FragmentHeader:
 def header_from_pb(m: pb.FragmentHeader) -> TransferHeader:
     if m.kind not in _KINDS_BY_VALUE:
         raise HeaderError(f"unknown payload kind {m.kind}")
-    tensors = []
-    for t in m.tensors:
-        if t.dtype not in _DTYPES_BY_VALUE:
-            raise HeaderError(f"tensor {t.name!r} has unknown dtype enum {t.dtype}")
-        if any(s < 0 for s in t.shape):
-            raise HeaderError(f"tensor {t.name!r} has a negative dimension")
-        tensors.append(TensorSpec(t.name, tuple(t.shape), _DTYPES_BY_VALUE[t.dtype]))
+    tensors = [_tensor_from_pb(t) for t in m.tensors]
     return TransferHeader(
         kind=_KINDS_BY_VALUE[m.kind], fragment_id=m.fragment_id, version=m.version, sequence=m.sequence,
         tokens=m.tokens, steps=m.steps, codec=codec_from_pb(m.codec), block_size=m.block_size,
@@ -190,7 +204,8 @@ def learner_message_to_pb(msg: LearnerMessage) -> pb.LearnerMessage:
             learner_id=msg.learner_id, model_fingerprint=msg.model_fingerprint, layout_hash=msg.layout_hash,
             codecs=[codec_to_pb(c) for c in msg.codecs], protocol=protocol_to_pb(msg.protocol),
             held=_versions_to_pb(msg.held), software_version=msg.software_version,
-            incarnation=msg.incarnation, labels=msg.labels, digest_only=msg.digest_only))
+            incarnation=msg.incarnation, labels=msg.labels, digest_only=msg.digest_only, fleet_id=msg.fleet_id,
+            fleet_versions=_versions_to_pb(msg.fleet_versions), layout=_layout_to_pb(msg.layout)))
     if isinstance(msg, Goodbye):
         return pb.LearnerMessage(goodbye=pb.Goodbye(reason=msg.reason))
     raise TypeError(f"not a learner message: {type(msg).__name__}")
@@ -212,7 +227,8 @@ def learner_message_from_pb(m: pb.LearnerMessage | SplitChunk) -> LearnerMessage
                      codecs=tuple(_CODECS_BY_VALUE[c] for c in h.codecs if c in _CODECS_BY_VALUE),
                      protocol=protocol_from_pb(h.protocol), held=_versions_from_pb(h.held),
                      software_version=h.software_version, incarnation=h.incarnation, labels=dict(h.labels),
-                     digest_only=h.digest_only)
+                     digest_only=h.digest_only, fleet_id=h.fleet_id,
+                     fleet_versions=_versions_from_pb(h.fleet_versions), layout=_layout_from_pb(h.layout))
     if body == "goodbye":
         return Goodbye(reason=m.goodbye.reason)
     raise HeaderError("empty learner message")
@@ -234,7 +250,7 @@ def synchronizer_message_to_pb(msg: SynchronizerMessage) -> pb.SynchronizerMessa
             versions=_versions_to_pb(msg.versions), state=_STATES[msg.state],
             heartbeat_interval_s=msg.heartbeat_interval_s, shard_index=msg.shard_index,
             shard_count=msg.shard_count, fleet_step=msg.fleet_step, digest_only=msg.digest_only,
-            trailing_digest=msg.trailing_digest))
+            trailing_digest=msg.trailing_digest, fleet_id=msg.fleet_id, detail=msg.detail))
     if isinstance(msg, Resync):
         return pb.SynchronizerMessage(resync=pb.Resync(
             fragment_ids=list(msg.fragment_ids), reason=_reason_value(msg.reason) if msg.reason else 0,
@@ -265,7 +281,8 @@ def synchronizer_message_from_pb(m: pb.SynchronizerMessage | SplitChunk) -> Sync
                        state=_STATES_BY_VALUE.get(w.state, "genesis_pending"),
                        versions=_versions_from_pb(w.versions), heartbeat_interval_s=w.heartbeat_interval_s,
                        shard_index=w.shard_index, shard_count=w.shard_count or 1, fleet_step=w.fleet_step,
-                       digest_only=w.digest_only, trailing_digest=w.trailing_digest)
+                       digest_only=w.digest_only, trailing_digest=w.trailing_digest, fleet_id=w.fleet_id,
+                       detail=w.detail)
     if body == "resync":
         r = m.resync
         return Resync(fragment_ids=tuple(r.fragment_ids), reason=_reason_name(r.reason) if r.reason else "",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ddiloco.fragments.chunking import Chunk
+from ddiloco.fragments.partition import TensorSpec
 
 if TYPE_CHECKING:
     from ddiloco.protocol.config import ProtocolConfig
@@ -48,6 +49,16 @@ class Hello:
     digest_only: bool = True
     """The learner checks received transfers by their payload digest alone (chunks to it need no
     CRC-32C); False is what an older learner's Hello reads as."""
+    fleet_id: str = ""
+    """The fleet the learner's model belongs to (the fleet id of the shards it joined, or the one
+    the lowest shard proposed before any holds state); "" when it knows none (an older learner's
+    Hello reads so)."""
+    fleet_versions: dict[int, int] = field(default_factory=dict)
+    """The newest version of every fragment of the fleet (every shard's) the learner holds or was
+    told of by a shard's Welcome: how a synchronizer without state learns that the fleet merged."""
+    layout: tuple[tuple[TensorSpec, ...], ...] = ()
+    """The whole fragment layout (each fragment's tensors), sent to a sharded synchronizer so a
+    shard can check a genesis against ``layout_hash``; () when not sent."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +92,11 @@ class Welcome:
     """The synchronizer reads a transfer's digest from its last chunk when the header leaves it
     empty, so a learner may hash each chunk of a contribution as it writes it; False is what an
     older synchronizer's Welcome reads as (every header carries the digest)."""
+    fleet_id: str = ""
+    """The fleet of the synchronizer's state (without state: the id its genesis will be recorded
+    under); "" from an older synchronizer."""
+    detail: str = ""
+    """Why ``state`` is what it is, for humans (``reseed_wait``: what it waits for)."""
 
 
 @dataclass(frozen=True, kw_only=True)
