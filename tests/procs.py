@@ -19,6 +19,18 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ddiloco.core.cli", *args]
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop ``proc`` by its pid: SIGTERM, then SIGKILL after 15 s (nothing if it has ended)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def synchronizer(tmp_path: pathlib.Path, *args: str, timeout_s: float = 60.0,
                  log: pathlib.Path | None = None, started: list[subprocess.Popen[bytes]] | None = None
@@ -36,13 +48,7 @@ def synchronizer(tmp_path: pathlib.Path, *args: str, timeout_s: float = 60.0,
     try:
         yield f"127.0.0.1:{wait_ready(proc, ready, timeout_s)}"
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         if log:
             out.close()  # type: ignore[union-attr]
 

@@ -264,6 +264,17 @@ def test_a_learner_whose_weights_turn_nan_heals_and_contributes_again(tmp_path):
     assert s["invariants"]["all_hold"], s["invariants"]
 
 
+def _none_merged_after_the_fault(tmp_path: pathlib.Path, s: dict, learner: str) -> None:
+    """Every answer ``learner`` sent a second after the run's first fault (its signal handler runs
+    within a step) was answered and none was merged."""
+    injected = s["faults_injected"][0]["t"]
+    events = load_jsonl(tmp_path / "run" / "learners" / f"{learner}.jsonl")
+    sends = {e["sequence"]: e for e in events if e["event"] == "send"}
+    results = [e for e in events if e["event"] == "result" and e["sequence"] in sends]
+    late = [r for r in results if sends[r["sequence"]]["t"] > injected + 1.0]
+    assert late and all(r["outcome"] != "merged" for r in late), [r["outcome"] for r in late]
+
+
 def test_a_learner_that_inflates_its_tokens_is_refused_and_the_honest_ones_are_not(tmp_path):
     # from its step 100 learner-1 claims 100x the tokens it trained (its outer gradients sound);
     # the weight guard (on by default) refuses every such answer and nothing of the others'
@@ -275,12 +286,7 @@ def test_a_learner_that_inflates_its_tokens_is_refused_and_the_honest_ones_are_n
         assert per[lid]["merged"] > 0
     # every answer it sent a second after the signal (its handler runs within a step) was
     # refused: none of its claims reached a merge
-    injected = s["faults_injected"][0]["t"]
-    events = load_jsonl(tmp_path / "run" / "learners" / "learner-1.jsonl")
-    sends = {e["sequence"]: e for e in events if e["event"] == "send"}
-    results = [e for e in events if e["event"] == "result" and e["sequence"] in sends]
-    late = [r for r in results if sends[r["sequence"]]["t"] > injected + 1.0]
-    assert late and all(r["outcome"] != "merged" for r in late), [r["outcome"] for r in late]
+    _none_merged_after_the_fault(tmp_path, s, "learner-1")
     assert s["invariants"]["all_hold"], s["invariants"]
 
 
@@ -295,12 +301,7 @@ def test_a_learner_that_overclaims_its_steps_is_refused_and_the_honest_ones_are_
     for lid in ("learner-0", "learner-2"):
         assert not per[lid]["rejected_by_reason"].get("norm_outlier"), per[lid]
         assert per[lid]["merged"] > 0
-    injected = s["faults_injected"][0]["t"]
-    events = load_jsonl(tmp_path / "run" / "learners" / "learner-1.jsonl")
-    sends = {e["sequence"]: e for e in events if e["event"] == "send"}
-    results = [e for e in events if e["event"] == "result" and e["sequence"] in sends]
-    late = [r for r in results if sends[r["sequence"]]["t"] > injected + 1.0]
-    assert late and all(r["outcome"] != "merged" for r in late), [r["outcome"] for r in late]
+    _none_merged_after_the_fault(tmp_path, s, "learner-1")
     bounded = [e for e in load_jsonl(tmp_path / "run" / "synchronizer.jsonl") if e["event"] == "claim_bound"]
     assert {e["learner_id"] for e in bounded} <= {"learner-1"}, bounded[:3]  # no honest claim was cut
     assert s["invariants"]["all_hold"], s["invariants"]

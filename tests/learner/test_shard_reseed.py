@@ -31,7 +31,8 @@ from ddiloco.lab.fault_proxy import FaultProxy
 from ddiloco.lab.procs import free_port
 from ddiloco.learner.sync import DecoupledSync
 from ddiloco.synchronizer.recovery import read_fleet
-from tests.procs import synchronizer
+from tests.learner.test_sharded_sync import _step
+from tests.procs import stop, synchronizer
 
 PROTOCOL = "protocol: {num_fragments: 4, sync_every: 4, mode: decoupled, global_codec: fp32}\n"
 OWNED = {0: {0, 2}, 1: {1, 3}}
@@ -54,19 +55,20 @@ def _lines(path: pathlib.Path) -> list[dict]:
     return out
 
 
+def _two_shards(tmp_path: pathlib.Path, stack: contextlib.ExitStack, started: list[subprocess.Popen[bytes]]
+                ) -> tuple[pathlib.Path, list[int], tuple[str, str]]:
+    """Shards 0 and 1 of a fleet, as processes (stopped when ``stack`` closes): the config file,
+    their ports and their addresses."""
+    config = tmp_path / "config.yaml"
+    config.write_text(PROTOCOL)
+    ports = [free_port(), free_port()]
+    addresses = tuple(stack.enter_context(_shard(tmp_path, s, config, ports[s], tmp_path / f"shard-{s}.log",
+                                                 started=started)) for s in (0, 1))
+    return config, ports, (addresses[0], addresses[1])
+
+
 def _told_to_wait(log: pathlib.Path, learner_id: str) -> bool:
     return any(e.get("event") == WAIT and e.get("learner_id") == learner_id for e in _lines(log))
-
-
-def _step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> float:
-    target = torch.linspace(-1, 1, 8)
-    x = torch.randn(32, 8, generator=gen)
-    loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    time.sleep(0.05)  # the synchronizers pace their rounds on the learners' steps
-    return float(loss.detach())
 
 
 class _Learner:
@@ -112,15 +114,6 @@ def _shard(tmp_path: pathlib.Path, s: int, config: pathlib.Path, port: int, log:
                         "--event-log", str(tmp_path / f"sync-{s}.jsonl"), *extra, log=log, started=started)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def test_a_wiped_shard_is_reseeded_by_the_trained_learner_not_by_a_newcomer(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(PROTOCOL)
@@ -145,7 +138,7 @@ def test_a_wiped_shard_is_reseeded_by_the_trained_learner_not_by_a_newcomer(tmp_
         assert read_fleet(tmp_path / "state-1")["fleet_id"] == fleet_id
 
         # Shard 1 loses its state dir and is restarted on it, empty, at another port.
-        _stop(started[1])
+        stop(started[1])
         shutil.rmtree(tmp_path / "state-1")
         wiped_at = a.steps
         proxy.set_target("127.0.0.1", free_port())  # nothing listens there: a cannot reach shard 1
@@ -197,13 +190,9 @@ def test_a_wiped_shard_is_reseeded_by_the_trained_learner_not_by_a_newcomer(tmp_
 
 
 def test_a_wiped_shard_with_no_trained_learner_left_waits_for_the_operators_reseed(tmp_path):
-    config = tmp_path / "config.yaml"
-    config.write_text(PROTOCOL)
-    ports = [free_port(), free_port()]
     started: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
-        first = stack.enter_context(_shard(tmp_path, 0, config, ports[0], tmp_path / "shard-0.log", started=started))
-        second = stack.enter_context(_shard(tmp_path, 1, config, ports[1], tmp_path / "shard-1.log", started=started))
+        config, ports, (first, second) = _two_shards(tmp_path, stack, started)
         a = _Learner("a", 0, f"{first},{second}", tmp_path / "a.jsonl")
         assert a.sync.join() == 0
         while a.steps < MAX_STEPS and min(a.sync.versions.values()) < 1:
@@ -213,7 +202,7 @@ def test_a_wiped_shard_with_no_trained_learner_left_waits_for_the_operators_rese
         assert a.sync.finish(flush_timeout_s=60.0)  # the fleet's only trained learner is gone
         fleet_id = read_fleet(tmp_path / "state-0")["fleet_id"]
 
-        _stop(started[1])
+        stop(started[1])
         shutil.rmtree(tmp_path / "state-1")
         stack.enter_context(_shard(tmp_path, 1, config, ports[1], tmp_path / "shard-1-wiped.log", started=started))
         b = _Learner("b", 1, f"{first},{second}", tmp_path / "b.jsonl")
@@ -226,7 +215,7 @@ def test_a_wiped_shard_with_no_trained_learner_left_waits_for_the_operators_rese
         assert joining.is_alive() and not (tmp_path / "state-1" / "meta.json").exists()
 
         # The operator re-seeds it: restarted with --reseed, the next learner seeds it.
-        _stop(started[2])
+        stop(started[2])
         stack.enter_context(_shard(tmp_path, 1, config, ports[1], tmp_path / "shard-1-reseed.log", "--reseed",
                                    started=started))
         joining.join(timeout=120)
@@ -252,13 +241,9 @@ def test_a_learner_with_its_communication_in_a_process_reseeds_from_its_paramete
     """``learner.comm: process`` keeps no globals: a learner that joined by fetching (so its
     communication process never read the genesis values) re-seeds the wiped shard from its current
     parameters at the versions it holds."""
-    config = tmp_path / "config.yaml"
-    config.write_text(PROTOCOL)
-    ports = [free_port(), free_port()]
     started: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
-        first = stack.enter_context(_shard(tmp_path, 0, config, ports[0], tmp_path / "shard-0.log", started=started))
-        second = stack.enter_context(_shard(tmp_path, 1, config, ports[1], tmp_path / "shard-1.log", started=started))
+        config, ports, (first, second) = _two_shards(tmp_path, stack, started)
         seed = _Learner("seed", 0, f"{first},{second}", tmp_path / "seed.jsonl")
         assert seed.sync.join() == 0
         assert seed.sync.close()  # seeded the fleet and left
@@ -270,7 +255,7 @@ def test_a_learner_with_its_communication_in_a_process_reseeds_from_its_paramete
         assert min(c.sync.versions[p] for p in OWNED[1]) >= 1, c.sync.versions
         fleet_id = read_fleet(tmp_path / "state-0")["fleet_id"]
 
-        _stop(started[1])
+        stop(started[1])
         shutil.rmtree(tmp_path / "state-1")
         wiped_at, held = c.steps, {p: c.sync.versions[p] for p in OWNED[1]}
         stack.enter_context(_shard(tmp_path, 1, config, ports[1], tmp_path / "shard-1-wiped.log", started=started))
