@@ -53,11 +53,11 @@ def test_a_claim_beyond_the_bound_is_cut_to_it_tokens_in_proportion() -> None:
     assert strict.judge("x", 0, steps=1000 * H, tokens=1, now=0.0).action == "reject"
 
 
-def test_a_newcomer_may_claim_growth_times_one_period() -> None:
-    guard = ClaimGuard(ClaimGuardPolicy(growth=2.0), period_steps=H)
-    assert guard.bound("new", 3, 100.0) == 2 * H
-    assert guard.judge("new", 3, steps=2 * H, tokens=1, now=100.0).action == "accept"
-    assert guard.judge("new", 3, steps=2 * H + 1, tokens=1, now=100.0).action == "bound"
+def test_a_newcomer_may_claim_first_periods() -> None:
+    guard = ClaimGuard(ClaimGuardPolicy(first_periods=3.0), period_steps=H)
+    assert guard.bound("new", 3, 100.0) == 3 * H
+    assert guard.judge("new", 3, steps=3 * H, tokens=1, now=100.0).action == "accept"
+    assert guard.judge("new", 3, steps=3 * H + 1, tokens=1, now=101.0).action == "bound"
 
 
 def test_a_patient_liar_grows_by_a_bounded_factor_and_stops_at_the_fleets_cap() -> None:
@@ -76,7 +76,7 @@ def test_a_patient_liar_grows_by_a_bounded_factor_and_stops_at_the_fleets_cap() 
         verdict = guard.judge("liar", 0, steps=10**6, tokens=10**6, now=now)
         guard.admitted("liar", verdict, now)
         claimed.append(verdict.steps)
-    assert claimed[0] == 2 * H, "no earlier answer of the fragment: growth x one period"
+    assert claimed[0] == 3 * H, "no earlier answer of the fragment: first_periods periods"
     assert claimed[1:5] == [H + 2 * 2 * 12] * 4, "growth x the fleet's pace until half its window is its own"
     assert all(b <= (2 + 1) * a for a, b in itertools.pairwise(claimed))
     rate = guard.rate("liar")
@@ -104,7 +104,8 @@ def test_off_trusts_every_claim_and_bad_settings_are_refused() -> None:
     guard = ClaimGuard(ClaimGuardPolicy(action="off"), period_steps=H)
     assert guard.judge("a", 0, steps=10**9, tokens=10**9, now=0.0).action == "accept"
     assert guard.bound("a", 0, 0.0) is None
-    for bad in ({"growth": 0.5}, {"fleet_factor": float("inf")}, {"slack_periods": 0}, {"window": 0}):
+    for bad in ({"growth": 0.5}, {"fleet_factor": float("inf")}, {"slack_periods": 0}, {"first_periods": 0.0},
+                {"window": 0}):
         with pytest.raises(ValueError, match="claim guard"):
             ClaimGuardPolicy(**bad)
     with pytest.raises(ValueError, match="period_steps"):

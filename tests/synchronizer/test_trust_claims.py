@@ -75,9 +75,9 @@ async def test_claimed_steps_beyond_the_bound_are_merged_as_the_bound(tmp_path) 
         result = await a.wait_result(seq)
         assert result.outcome == "merged"
         assert server.engine.metrics.claims_bounded._value.get() == 1
-        bound = server.engine.admission.claim_guard.policy.growth * server.engine.cfg.protocol.sync_every
+        bound = server.engine.admission.claim_guard.policy.first_periods * server.engine.cfg.protocol.sync_every
         merged = server.engine.membership.learners["a"].tokens_merged
-        assert merged == 250 * bound, "a first answer: growth x one period, tokens per step kept"
+        assert merged == 250 * bound, "a first answer: first_periods periods, tokens per step kept"
         await a.close()
 
 
