@@ -100,6 +100,47 @@ def test_refused_answers_bank_no_time() -> None:
     assert max(limits) == min(limits) == H + 2 * 2 * 12, "one period's slack + growth x pace x one period"
 
 
+def test_an_answer_from_the_same_base_is_timed_from_the_one_before() -> None:
+    """A learner whose previous answer's merge has not come back answers again from the same base:
+    its counters did not start over, so it carries that answer's steps too. Timed from the
+    previous answer alone, a newcomer twice as fast as the others' pace was cut."""
+    guard = ClaimGuard(ClaimGuardPolicy(), period_steps=H)
+    for k in range(40):  # the others: 1 step/s
+        t = k * 24.0
+        guard.admitted("slow", guard.judge("slow", 0, steps=H, tokens=H, now=t, base=k, incarnation=1), t)
+    a = guard.judge("fast", 0, steps=H, tokens=H, now=1000.0, base=7, incarnation=1)
+    guard.admitted("fast", a, 1000.0)
+    b = guard.judge("fast", 0, steps=H, tokens=H, now=1006.0, base=8, incarnation=1)  # 4 steps/s
+    guard.admitted("fast", b, 1006.0)
+    held = guard.judge("fast", 0, steps=2 * H, tokens=2 * H, now=1012.0, base=8, incarnation=1)
+    assert held.action == "accept", held.detail
+    other_process = guard.judge("fast", 0, steps=2 * H, tokens=2 * H, now=1018.0, base=8, incarnation=2)
+    assert other_process.action == "bound", "a new process's answer is timed from the last answer"
+
+
+def test_after_a_restart_the_counters_are_timed_from_the_fragments_last_commit() -> None:
+    """A synchronizer that restarted knows no earlier answer and no pace: the learner's first
+    answer carries what it trained while the synchronizer was away. With the fragment's last commit
+    and the fleet's reported pace it may claim that much; without them, first_periods periods."""
+    guard = ClaimGuard(ClaimGuardPolicy(), period_steps=H)
+    long_outage = dict(steps=H + 100, tokens=1, now=500.0, base=3, incarnation=1)
+    assert guard.judge("a", 0, **long_outage, fallback_since=440.0, fallback_rate=1.0).action == "accept"
+    assert guard.judge("b", 0, **long_outage).action == "bound"
+    assert guard.judge("c", 0, **long_outage, fallback_since=440.0).action == "bound", "no pace: first_periods"
+
+
+def test_a_single_learner_cut_off_is_bounded_by_the_fleets_reported_pace() -> None:
+    guard = ClaimGuard(ClaimGuardPolicy(), period_steps=H)
+    for k in range(5):
+        t = k * 12.0
+        guard.admitted("only", guard.judge("only", 0, steps=H, tokens=H, now=t, base=k, incarnation=1,
+                                           fallback_rate=2.0), t)
+    # no other learner's pace and fewer than window / 2 of its own: the reported pace stands in
+    after = guard.judge("only", 0, steps=H + 120, tokens=1, now=48.0 + 60.0, base=5, incarnation=1,
+                        fallback_rate=2.0)
+    assert after.action == "accept", after.detail
+
+
 def test_off_trusts_every_claim_and_bad_settings_are_refused() -> None:
     guard = ClaimGuard(ClaimGuardPolicy(action="off"), period_steps=H)
     assert guard.judge("a", 0, steps=10**9, tokens=10**9, now=0.0).action == "accept"

@@ -8,37 +8,43 @@ that claims 1000x the steps (and 1000x the tokens, keeping its tokens per step h
 far as an honest merge does). The weight guard bounds tokens *per step*; this guard bounds the
 steps.
 
-The synchronizer cannot see a learner's steps, but it sees time. For each learner (its identity,
-the learner id bound to its credentials) and fragment it keeps when its last answer arrived
-(admitted or not: a learner's counters start over at its sends), and for each learner the pace
-its admitted answers implied (steps / seconds since its previous answer of the same fragment). A
-new contribution may claim at most
+The synchronizer cannot see a learner's steps, but it sees time. A learner's counters for a
+fragment run from the last merge of it the learner applied, which comes back after its previous
+answer. So for each learner (its identity, the learner id bound to its credentials) and fragment
+the guard keeps its last answer (admitted or not), and times a new answer's counters from it;
+from the one before where the new answer is from the same base version and process (the
+previous answer's merge had not come back, so this one carries its steps too); and, where it
+knows no earlier answer (a synchronizer that restarted), from the fragment's last commit. For
+each learner it keeps the pace its admitted answers implied (steps / seconds their counters
+cover). A new contribution may claim at most
 
-    ``bound = slack + rate * (now - its last answer of this fragment)``,
+    ``bound = slack + rate * (now - when its counters started)``,
     ``rate = min(growth * own pace, fleet_factor * typical pace of the other learners)``
     (``growth * typical pace of the others`` for a learner with fewer than ``window / 2`` paces of
-    its own)
+    its own; ``growth *`` the median step time the live learners report where no learner's pace
+    is known yet: a single learner, a fleet's first rounds, after a restart)
 
 where ``slack`` is ``slack_periods`` sync periods of steps (an honest contribution covers about
 one period: the fleet's clock asks for each fragment once a period, at the pace of its fast
 learners) and the paces are medians over the last ``window`` admitted contributions (the other
 learners' figure is the lower median of their own medians, ``identity_median``, so no one learner
-sets it). A learner with no pace or no earlier answer of this fragment (a newcomer, or
-any learner after a synchronizer restart, whose first answers carry one period plus what it trained
-while the synchronizer was away) may claim ``first_periods`` periods. With ``action: bound``
+sets it). Where neither a start nor a pace is known, and for a learner's first answer of a
+fragment at the least, a contribution may claim ``first_periods`` periods. With ``action: bound``
 (the default) a claim beyond the bound is merged as if it claimed the bound: its steps are cut to
 it and its tokens in proportion (tokens per step as claimed, for the weight guard to judge), and
 the norm guard judges the update against the bounded steps, so an inflated update over an
 inflated claim is refused as ``norm_outlier``. With ``reject`` it is refused (``claim_outlier``).
 
 Why honest learners are not bounded: an answer covers about one period (within ``slack``); one
-that covers more (a learner cut off from the synchronizer that kept training, or one that held
-its answer while its previous merge was on its way) comes with the time it took, at the
-learner's own pace. A faster learner
-(a GPU beside CPUs) answers about one period too, since the clock runs at the fast learners'
-pace; where it claims more, its bound grows by about ``growth + 1`` per ``window / 2`` admitted
-contributions (the median moves once half the window is at the new pace), up to ``fleet_factor``
-times the others' pace.
+that covers more (a learner cut off from the synchronizer that kept training, one that answered
+again before its previous merge came back, one whose synchronizer was down) comes with the time
+it took, at the learner's pace or, where that is not known yet, ``growth`` times the fleet's. A
+faster learner (a GPU beside CPUs) answers about one period too, since the clock runs at the fast
+learners' pace; where it claims more, its bound grows by about ``growth + 1`` per ``window / 2``
+admitted contributions (the median moves once half the window is at the new pace), up to
+``fleet_factor`` times the others' pace. Where none of this holds (a learner more than ``growth``
+times faster than the rest that answers late in its first rounds; a synchronizer restart with no
+pace reported yet), an honest claim is cut: merged with fewer steps, never refused for it.
 
 What a patient liar still gains: by claiming the bound on every answer it raises its own pace by
 that factor per half window, until ``fleet_factor`` times the fleet's typical pace; from then on
@@ -110,6 +116,18 @@ class ClaimVerdict:
     """When the learner's answer of the fragment before this one arrived (None: none known)."""
 
 
+@dataclass
+class _Answer:
+    """A learner's last answer of a fragment, as the guard saw it."""
+
+    at: float
+    """When it arrived."""
+    base: int | None
+    incarnation: int | None
+    since: float | None
+    """What its counters were timed from."""
+
+
 class ClaimGuard:
     """Per learner: when it last answered each fragment, and the pace its admitted answers implied."""
 
@@ -119,42 +137,66 @@ class ClaimGuard:
         self.policy = policy
         self.slack = policy.slack_periods * period_steps
         self.first = policy.first_periods * period_steps
-        self._last: dict[str, dict[int, float]] = {}
+        self._last: dict[str, dict[int, _Answer]] = {}
         self._paces = IdentityMedians(policy.window)
 
-    def rate(self, identity: str) -> float | None:
-        """The most steps per second ``identity`` may claim now (None: no pace known)."""
+    def rate(self, identity: str, fallback: float | None = None) -> float | None:
+        """The most steps per second ``identity`` may claim now (None: no pace known).
+        ``fallback``: a pace for the fleet from elsewhere (the fleet clock's), used where no
+        admitted answer gave one yet (a single learner, a fleet's first rounds, after a restart)."""
         p = self.policy
         # An own pace counts once half the window holds it: a median of two or three samples would
         # follow a liar's every answer.
         own = self._paces.of(identity) if self._paces.samples(identity) >= max(1, p.window // 2) else None
         fleet = self._paces.typical(exclude=identity)
+        if fleet is None:
+            fleet = fallback
         if own is None:  # a newcomer starts from the fleet's pace, and grows from there
             return None if fleet is None else p.growth * fleet
         return p.growth * own if fleet is None else min(p.growth * own, p.fleet_factor * fleet)
 
-    def bound(self, identity: str, fragment: int, now: float) -> int | None:
-        """The most steps a contribution of ``fragment`` from ``identity`` may claim at ``now``."""
+    def bound(self, identity: str, fragment: int, now: float, *, fallback_rate: float | None = None) -> int | None:
+        """The most steps a contribution of ``fragment`` from ``identity`` may claim at ``now``,
+        timed from the learner's last answer of the fragment (see ``judge`` for the other cases)."""
+        last = self._last.get(identity, {}).get(fragment)
+        return self._limit(identity, now, None if last is None else last.at, known=last is not None,
+                           fallback_rate=fallback_rate)
+
+    def _limit(self, identity: str, now: float, since: float | None, *, known: bool,
+               fallback_rate: float | None) -> int | None:
         if self.policy.action == "off":
             return None
-        since = self._last.get(identity, {}).get(fragment)
-        rate = self.rate(identity)
+        rate = self.rate(identity, fallback_rate)
         if since is None or rate is None:
             return math.ceil(self.first)
-        return math.ceil(self.slack + rate * max(0.0, now - since))
+        paced = math.ceil(self.slack + rate * max(0.0, now - since))
+        return paced if known else max(paced, math.ceil(self.first))
 
-    def judge(self, identity: str, fragment: int, *, steps: int, tokens: int, now: float) -> ClaimVerdict:
-        """The steps and tokens to admit a contribution claiming ``steps`` and ``tokens`` with. The
-        answer counts as the learner's last of ``fragment`` from ``now`` on, whatever becomes of it:
-        a learner's counters start over at its sends, not at its merges, and timed from the last
-        *admitted* answer, a learner whose answers are refused (for their norm, say) would bank the
-        time since and claim more steps with every refusal."""
-        limit = self.bound(identity, fragment, now)
-        since = self._answered(identity, fragment, now)
+    def judge(self, identity: str, fragment: int, *, steps: int, tokens: int, now: float,
+              base: int | None = None, incarnation: int | None = None, fallback_since: float | None = None,
+              fallback_rate: float | None = None) -> ClaimVerdict:
+        """The steps and tokens to admit a contribution claiming ``steps`` and ``tokens`` with.
+
+        Its counters are timed from the learner's previous answer of the fragment, admitted or not
+        (a learner whose answers are refused for their norm would otherwise bank the time since its
+        last admitted one and claim more with every refusal); from the one before that where the
+        previous answer was from the same base and process (its merge had not come back, so the
+        learner's counters did not start over: this answer carries that one's steps too); from
+        ``fallback_since`` where the guard knows no earlier answer (after a synchronizer restart:
+        the fragment's last commit)."""
+        last = self._last.get(identity, {}).get(fragment)
+        if last is None:
+            since = fallback_since
+        elif base is not None and (last.base, last.incarnation) == (base, incarnation):
+            since = last.since if last.since is not None else fallback_since
+        else:
+            since = last.at
+        limit = self._limit(identity, now, since, known=last is not None, fallback_rate=fallback_rate)
+        self._answered(identity, fragment, _Answer(now, base, incarnation, since))
         if limit is None or steps <= limit:
             return ClaimVerdict("accept", steps, tokens, since=since)
-        seen = "no earlier answer of it" if since is None else f"{now - since:.3g}s since its last answer"
-        rate = self.rate(identity)
+        seen = "no earlier answer of it known" if since is None else f"counters timed from {now - since:.3g}s ago"
+        rate = self.rate(identity, fallback_rate)
         pace = "no pace known yet" if rate is None else f"at most {rate:.4g} steps/s"
         detail = (f"claims {steps} steps for fragment {fragment}, more than the {limit} the synchronizer can "
                   f"account for ({seen}, {pace}, slack {self.slack:g})")
@@ -168,13 +210,12 @@ class ClaimGuard:
         if verdict.since is not None and now - verdict.since >= MIN_ELAPSED_S:
             self._paces.record(identity, verdict.steps / (now - verdict.since))
 
-    def _answered(self, identity: str, fragment: int, now: float) -> float | None:
-        """Mark ``identity``'s answer of ``fragment`` at ``now``; the time of the one before (None)."""
+    def _answered(self, identity: str, fragment: int, answer: _Answer) -> None:
+        """Mark ``identity``'s answer of ``fragment``."""
         if self.policy.action == "off":
-            return None
+            return
         last = self._last.pop(identity, {})
         self._last[identity] = last  # most recently heard last
         while len(self._last) > MAX_IDENTITIES:
             del self._last[next(iter(self._last))]
-        since, last[fragment] = last.get(fragment), now
-        return since
+        last[fragment] = answer

@@ -37,6 +37,7 @@ class IdentityMedians:
         self.window = window
         self.max_identities = max_identities
         self._values: OrderedDict[str, deque[float]] = OrderedDict()
+        self._medians: dict[str, float] = {}
         self.count = 0
         """Values recorded so far, all identities together (the guards' warm-up counts these)."""
 
@@ -45,15 +46,16 @@ class IdentityMedians:
         if values is None:
             values = deque(maxlen=self.window)
             while len(self._values) >= self.max_identities:
-                self._values.popitem(last=False)
+                gone, _ = self._values.popitem(last=False)
+                del self._medians[gone]
         values.append(value)
         self._values[identity] = values  # most recently heard last
+        self._medians[identity] = statistics.median(values)  # once per record, not per question
         self.count += 1
 
     def of(self, identity: str) -> float | None:
         """``identity``'s own median (None: nothing recorded for it)."""
-        values = self._values.get(identity)
-        return statistics.median(values) if values else None
+        return self._medians.get(identity)
 
     def samples(self, identity: str) -> int:
         """Values held for ``identity`` (at most ``window``)."""
@@ -62,8 +64,8 @@ class IdentityMedians:
 
     def typical(self, *, exclude: str | None = None) -> float | None:
         """The lower median of the identities' medians, leaving out ``exclude`` (None: none known)."""
-        medians = [statistics.median(v) for k, v in self._values.items() if k != exclude and v]
+        medians = [m for k, m in self._medians.items() if k != exclude]
         return statistics.median_low(medians) if medians else None
 
     def identities(self) -> int:
-        return sum(1 for v in self._values.values() if v)
+        return len(self._medians)

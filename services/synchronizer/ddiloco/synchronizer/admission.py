@@ -9,8 +9,8 @@ Every check that can refuse input lives here, in the order it is made, each with
   ``genesis``), global state ready, a fragment this shard owns, the global layout, tokens and
   steps > 0, not a contribution already merged (a re-send after a reconnect is answered, never
   merged twice), a base within the staleness window (``staleness_verdict``, the same rule the
-  merge applies), steps within what the synchronizer can account for from the learner's own pace
-  and the time since its last admitted contribution of the fragment (``ddiloco.algorithm.
+  merge applies), steps within what the synchronizer can account for from the learner's pace and
+  the time its counters cover, from its previous answer of the fragment (``ddiloco.algorithm.
   claim_guard``: a claim beyond it is merged as the bound, or refused as ``claim_outlier``),
   tokens per step within the weight guard's bound (``weight_outlier``:
   ``ddiloco.algorithm.weight_guard``; token weights grow with the square of the tokens claimed),
@@ -32,6 +32,7 @@ reassembly in the server, and end the stream.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -99,7 +100,9 @@ class Admission:
                  run_blocking: Callable[..., Awaitable[Any]], codec_threads: int,
                  norm_guard: NormGuard, on_clip: Callable[[Contribution, str], None],
                  weight_guard: WeightGuard | None = None, claim_guard: ClaimGuard | None = None,
-                 on_bound: Callable[[Contribution, str], None] | None = None) -> None:
+                 on_bound: Callable[[Contribution, str], None] | None = None,
+                 fleet_rate: Callable[[], float | None] = lambda: None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.ledger = ledger
         self.window = staleness_window
         self.shard = shard
@@ -111,6 +114,10 @@ class Admission:
         self.weight_guard = weight_guard or WeightGuard(WeightGuardPolicy(action="off"))
         self.claim_guard = claim_guard
         self.on_bound = on_bound
+        self.fleet_rate = fleet_rate
+        """The fleet clock's steps per second (None: not paced): the claim guard's pace where no
+        admitted answer gave one yet."""
+        self.wall = wall
 
     async def admit(self, rec: LearnerRecord, transfer: Transfer, c: Contribution,
                     state: LoadedState | None) -> tuple[Contribution, torch.Tensor] | None:
@@ -141,8 +148,13 @@ class Admission:
             return None
         claim = None
         if self.claim_guard is not None:
+            # Where the guard knows no earlier answer (after a restart), the learner's counters run at
+            # most from the fragment's last commit it can have received.
+            since = (c.arrived_at - max(0.0, self.wall() - frag.last_merge_unix)
+                     if frag.last_merge_unix > 0 else None)
             claim = self.claim_guard.judge(rec.learner_id, h.fragment_id, steps=h.steps, tokens=h.tokens,
-                                           now=c.arrived_at)
+                                           now=c.arrived_at, base=h.version, incarnation=rec.incarnation,
+                                           fallback_since=since, fallback_rate=self.fleet_rate())
             if claim.action == "reject":
                 rec.faulty = "claim_outlier"
                 return self._reject(c, "claim_outlier", claim.detail)

@@ -176,8 +176,8 @@ class SynchronizerConfig:
     weight_guard: WeightGuardPolicy = field(default_factory=WeightGuardPolicy)
     """Refuse an answer that claims more tokens per step than the fleet's recent answers allow."""
     claim_guard: ClaimGuardPolicy = field(default_factory=ClaimGuardPolicy)
-    """Bound the inner steps an answer claims by the learner's own pace and the time since its last
-    admitted answer of the fragment (merged as the bound, or refused)."""
+    """Bound the inner steps an answer claims by the learner's pace and the time its counters cover,
+    from its previous answer of the fragment (merged as the bound, or refused)."""
     tls_cert: str | None = None
     """PEM server certificate (with tls_key): serve TLS."""
     tls_key: str | None = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import statistics
 import time
 import uuid
 from collections.abc import Callable
@@ -104,7 +105,7 @@ class Engine:
                                    norm_guard=NormGuard(cfg.norm_guard), on_clip=self._clipped,
                                    weight_guard=WeightGuard(cfg.weight_guard),
                                    claim_guard=ClaimGuard(cfg.claim_guard, period_steps=cfg.protocol.sync_every),
-                                   on_bound=self._bounded)
+                                   on_bound=self._bounded, fleet_rate=self._fleet_rate, wall=wall)
         self.genesis = Genesis(store=self.store, ledger=self.ledger, num_fragments=cfg.protocol.num_fragments,
                                owned=self.owned, shard=(cfg.shard_index, cfg.shard_count),
                                protocol=to_dict(self.protocol_params()), history=cfg.staleness_window,
@@ -336,6 +337,12 @@ class Engine:
                          fragment=c.fragment, sequence=c.sequence, detail=detail)
         self.ledger.event({"event": schema.NORM_CLIP, "learner_id": c.learner_id, "fragment": c.fragment,
                            "sequence": c.sequence, "detail": detail})
+
+    def _fleet_rate(self) -> float | None:
+        """Steps per second at the median step time the live learners report (None: none reported).
+        The median, so one learner reporting a tiny step time cannot raise it."""
+        times = [t for r in self.membership.live_records(self.clock()) if (t := r.step_time_s) > 0]
+        return 1.0 / statistics.median(times) if times else None
 
     def _bounded(self, c: Contribution, detail: str) -> None:
         self.metrics.claims_bounded.inc()

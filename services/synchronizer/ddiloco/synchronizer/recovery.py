@@ -50,8 +50,11 @@ def derived_fleet_id(meta: dict) -> str:
     their ``meta.json`` files share). Two such runs of the same model and protocol derive the same
     id; ``export``'s commit-time bound still tells their shards apart."""
     shards = str(meta.get("shard", "0/1")).partition("/")[2]
+    # Only the protocol constants a state dir is bound to: a codec or chunk size changed between
+    # two shards' starts (one shard re-created after a config change) is still one fleet.
+    protocol = {k: (meta.get("protocol") or {}).get(k) for k in PROTOCOL_KEYS}
     doc = {"layout_hash": meta.get("layout_hash"), "model_fingerprint": meta.get("model_fingerprint"),
-           "protocol": meta.get("protocol"), "shards": shards}
+           "protocol": protocol, "shards": shards}
     return "legacy-" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -117,7 +120,7 @@ def load_state(store: StateStore, *, protocol: dict, owned: list[int], history: 
         if latest is None:
             raise StateError(f"state dir {store.root} has no verifiable version of fragment {p}")
         frag = GlobalFragment(spec, latest.params, latest.momentum, latest.version, merges=latest.merges,
-                              history_size=history, reader=functools.partial(store.read_params, p, num_values=spec.numel))
+                              last_merge_unix=latest.committed_at, history_size=history, reader=functools.partial(store.read_params, p, num_values=spec.numel))
         frag.history.clear()
         for rec in [*older, latest]:
             frag.remember(rec.version, rec.params)
