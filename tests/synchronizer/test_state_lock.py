@@ -212,3 +212,17 @@ def test_stores_of_one_process_share_the_lock_and_the_last_one_closed_releases_i
     again = StateStore(root)  # and this process can take it back
     assert _other_process_opens(root).returncode == 3
     again.close()
+
+
+def test_a_second_store_of_one_process_leaves_the_firsts_commits_in_flight(tmp_path):
+    """Stores of one dir in one process share its lock; only the one that took it removes the temp
+    files of commits cut off by a crash (the second would delete the first's commits in flight)."""
+    first = StateStore(tmp_path / "state")
+    in_flight = tmp_path / "state" / "fragments" / ".v000000000003.frag.tmp"
+    in_flight.write_bytes(b"half a commit")
+    second = StateStore(tmp_path / "state")
+    assert in_flight.exists()
+    second.close()
+    first.close()
+    StateStore(tmp_path / "state").close()  # a fresh start: what was in flight was cut off
+    assert not in_flight.exists()

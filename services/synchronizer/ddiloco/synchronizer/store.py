@@ -207,9 +207,13 @@ class StateStore:
         self.root.mkdir(parents=True, exist_ok=True)
         # Before anything else is touched: the temp files removed below may be another
         # synchronizer's commits in flight.
-        self._unlock = weakref.finalize(self, unlock_state_dir, lock_state_dir(self.root))
+        key = lock_state_dir(self.root)
+        self._unlock = weakref.finalize(self, unlock_state_dir, key)
         (self.root / "fragments").mkdir(exist_ok=True)
-        self._remove_temp_files()
+        with _held_guard:
+            first = _held[key].users == 1
+        if first:  # another store of this dir open in this process may have commits in flight
+            self._remove_temp_files()
 
     def close(self) -> None:
         """Release the state dir's lock (once this process's last store of it is closed or
