@@ -93,6 +93,10 @@ class FleetView:
         """The fleet of the shards holding state (from the first such Welcome); "" before one did."""
         self.source = -1
         """The shard ``fleet_id`` was first heard from."""
+        self.own: dict[int, str] = {}
+        """The fleet id each shard holds by its own word (a ready Welcome, or the genesis this
+        learner uploaded to it): what a Hello to that shard names, so a shard restarted on its state
+        always meets the id it recorded."""
         self.genesis_read = False
         """Whether a link of this process read ``genesis_values`` (the communication process's
         reads them once and returns those ever after: the initialization, not current values)."""
@@ -104,8 +108,9 @@ class FleetView:
             if welcome.state == "ready" and welcome.fleet_id:
                 if not self.fleet_id:
                     self.fleet_id, self.source = welcome.fleet_id, shard
-                elif welcome.fleet_id != self.fleet_id:
+                elif welcome.fleet_id != self.fleet_id and welcome.fleet_id != self.own.get(shard):
                     return welcome.fleet_id
+                self.own[shard] = welcome.fleet_id
             self._welcomes[shard] = welcome
             return None
 
@@ -426,10 +431,14 @@ class Link:
             fleet_id=self._fleet_named(held), fleet_versions=self.fleet.versions(known), layout=self._layout)
 
     def _fleet_named(self, held: dict[int, int]) -> str:
-        """The fleet id this Hello names. A learner that holds merged versions but has heard no
-        fleet id in this process (its communication process was started again) does not know its
-        fleet: it names none rather than a fresh proposal, which a synchronizer holding state would
-        take for another fleet's learner and refuse."""
+        """The fleet id this Hello names: the one this shard holds by its own word, where known.
+        A learner that holds merged versions but has heard no fleet id in this process (its
+        communication process was started again) does not know its fleet: it names none rather
+        than a fresh proposal, which a synchronizer holding state would take for another fleet's
+        learner and refuse."""
+        own = self.fleet.own.get(self.shard) or (self.fleet.own.get(0) if self.shards > 1 else None)
+        if own:  # this shard's own word, else shard 0's: the id a new fleet's shards are seeded under
+            return own
         if not self.fleet.fleet_id and any(v > 0 for v in held.values()):
             return ""
         return self.fleet.proposal()
@@ -448,6 +457,16 @@ class Link:
                 raise _Reconnect("genesis requested: waiting for every shard's Welcome first (the fleet's id and "
                                  "versions)")
             named = self.fleet.proposal()
+            if self.shards > 1 and self.shard > 0 and not self.joined:
+                # A new fleet's id is the one shard 0 records: the other shards are seeded under it
+                # once it holds state (by its own word: its ready Welcome, or this learner's upload
+                # to it). Named from every shard's last Welcome instead, a learner whose own request
+                # to shard 0 had lapsed (another learner took it over) seeded shard 1 under its own
+                # id and shard 0 under the other's: one fleet, two ids.
+                first = self.fleet.own.get(0)
+                if not first:
+                    raise _Reconnect("genesis requested: waiting for shard 0 to hold state first (the fleet's id)")
+                named = first
             if welcome.fleet_id != named:
                 raise _Reconnect(f"genesis requested under fleet {welcome.fleet_id!r}, this learner's fleet is "
                                  f"{named!r}: saying Hello again")
@@ -466,6 +485,7 @@ class Link:
                     transfer_id=self._transfer_id, layout_hash=self.layout.fingerprint,
                     max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, frame=wire.frame_chunks)
                 await stream.send_transfer(chunks)
+            self.fleet.own[self.shard] = welcome.fleet_id
             self.joined = True
             self.join.genesis = True
             self.join.ready.set()
@@ -512,6 +532,7 @@ class Link:
                 transfer_id=self._transfer_id, layout_hash=self.layout.fingerprint,
                 max_chunk_bytes=self.cfg.protocol.max_chunk_bytes, frame=wire.frame_chunks)
             await stream.send_transfer(chunks)
+        self.fleet.own[self.shard] = welcome.fleet_id
         self.log.warning("re-seeded a synchronizer that lost its state", fleet_id=welcome.fleet_id, versions=versions,
                          synchronizer_id=welcome.synchronizer_id)
 
