@@ -18,8 +18,8 @@ fleet from a newcomer, and asks only the former to seed it again. Two rules foll
   know that the fleet merged elsewhere, and a new fleet's shards would not agree on an id), and
   only under the fleet id its Hello named: the id of the shards holding state, else the one the
   lowest shard that answered was asked to record, else (nothing heard yet) this process's own
-  fresh proposal. Otherwise it says Hello again: a new fleet's shards all record the id the
-  lowest shard got, whichever learners seed them.
+  fresh proposal; to a shard other than 0, only once shard 0 holds state, under its id. Otherwise
+  it says Hello again: a new fleet's shards all record shard 0's id, whichever learners seed them.
 - A joined link asked for a genesis (its synchronizer lost its state and it holds that shard's
   fragments) re-seeds it: with the newest global version of each fragment it received (or
   uploaded as its genesis), at that version, so the fleet goes on where it was. In thread mode
