@@ -118,6 +118,35 @@ def test_an_answer_from_the_same_base_is_timed_from_the_one_before() -> None:
     assert other_process.action == "bound", "a new process's answer is timed from the last answer"
 
 
+def test_answers_queued_on_the_way_are_timed_from_the_requests_they_answer() -> None:
+    """Rounds slower than the learner's period: each answer covers 1.5 periods. One answer waits
+    1.4 s behind a busy synchronizer, so the next arrives 0.11 s after it: timed from arrivals the
+    honest claim was cut to 1.2 periods; timed from the request the delayed answer can have been
+    sent after at the earliest, it is not."""
+    for asked in (True, False):
+        guard = ClaimGuard(ClaimGuardPolicy(), period_steps=H)
+        verdicts = []
+        for k in range(40):
+            q = 1.5 * k
+            if asked:
+                guard.asked(0, q)
+            delay = 1.4 if k == 30 else 0.01
+            v = guard.judge("a", 0, steps=36, tokens=36, now=q + delay, base=k, incarnation=1)
+            guard.admitted("a", v, q + delay)
+            verdicts.append(v.action)
+        assert verdicts[:31] == ["accept"] * 31
+        assert verdicts[31] == ("accept" if asked else "bound")
+    # A request after an answer arrived (the next round's) never times that answer.
+    guard = ClaimGuard(ClaimGuardPolicy(), period_steps=H)
+    guard.asked(0, 0.0)
+    guard.judge("b", 0, steps=H, tokens=H, now=0.5, base=0, incarnation=1)
+    guard.asked(0, 1.0)
+    assert guard.judge("b", 0, steps=H + 1, tokens=1, now=1.01, base=1, incarnation=1,
+                       fallback_rate=1.0).steps == H + 1, "timed from the request at 0.0: H + 2 allowed"
+    assert guard.judge("b", 0, steps=2 * H, tokens=1, now=1.02, base=2, incarnation=1,
+                       fallback_rate=1.0).action == "bound", "timed from the request at 1.0"
+
+
 def test_after_a_restart_the_counters_are_timed_from_the_fragments_last_commit() -> None:
     """A synchronizer that restarted knows no earlier answer and no pace: the learner's first
     answer carries what it trained while the synchronizer was away. With the fragment's last commit

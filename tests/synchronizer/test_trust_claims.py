@@ -10,10 +10,14 @@ that are refused, to drag the bound up after it.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import torch
 
 from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.algorithm.weight_guard import WeightGuardPolicy
+from ddiloco.synchronizer.store import StateStore
 from tests.scripted import ScriptedLearner, genesis_learner, running_server, sync_config
 
 
@@ -79,6 +83,68 @@ async def test_claimed_steps_beyond_the_bound_are_merged_as_the_bound(tmp_path) 
         merged = server.engine.membership.learners["a"].tokens_merged
         assert merged == 250 * bound, "a first answer: first_periods periods, tokens per step kept"
         await a.close()
+
+
+async def test_a_newcomers_first_answer_is_timed_from_when_it_joined(tmp_path) -> None:
+    """A learner that joined 1 s before its first answer, in a fleet whose pace is known: its
+    counters may cover that second, though the fragment's last commit is a moment old (timed from
+    that commit, as before, the honest claim was cut to ``first_periods`` periods)."""
+    async with running_server(_config(tmp_path)) as server:
+        a = await genesis_learner(server)
+        H = server.engine.cfg.protocol.sync_every
+        numel = a.layout[0].numel
+        b = await _joined(server, "b")
+        await asyncio.sleep(1.0)
+        version = 0
+        for _ in range(4):  # a's pace: H steps per ~0.05 s
+            await asyncio.sleep(0.05)
+            seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=version, tokens=H * 100, steps=H)
+            assert (await a.wait_result(seq)).outcome == "merged"
+            version += 1
+        seq = await b.contribute(0, torch.full((numel,), 0.05), base_version=version, tokens=5 * H * 100, steps=5 * H)
+        result = await b.wait_result(seq)
+        assert result.outcome == "merged", result
+        assert server.engine.metrics.claims_bounded._value.get() == 0
+        assert server.engine.membership.learners["b"].tokens_merged == 5 * H * 100
+        await b.close()
+        await a.close()
+
+
+async def test_a_learners_pace_outlives_a_synchronizer_restart(tmp_path) -> None:
+    """The paces the claim guard measured ride with each commit: after a restart, a learner that
+    trained on while the synchronizer was away (5 periods in 1 s, as fast as before) is merged as
+    it claims, where a synchronizer that knew no pace cut it to ``first_periods`` periods. A
+    state without paces (written before they were kept) still loads."""
+    cfg = _config(tmp_path)
+    H = cfg.protocol.sync_every
+    async with running_server(cfg) as server:
+        a = await genesis_learner(server)
+        numel = a.layout[0].numel
+        version = 0
+        for _ in range(30):  # H steps per ~0.02 s
+            await asyncio.sleep(0.02)
+            seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=version, tokens=H * 100, steps=H)
+            assert (await a.wait_result(seq)).outcome == "merged"
+            version += 1
+        measured = server.engine.claims.paces()
+        assert set(measured) == {"a"} and measured["a"] > H, measured
+        await a.close()
+    await asyncio.sleep(1.0)
+    async with running_server(_config(tmp_path)) as server:
+        assert server.engine.claims.paces() == measured
+        a = await _joined(server, "a")
+        seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=version, tokens=5 * H * 100, steps=5 * H)
+        assert (await a.wait_result(seq)).outcome == "merged"
+        assert server.engine.metrics.claims_bounded._value.get() == 0
+        await a.close()
+    store = StateStore(tmp_path)  # a state from before paces were kept: none known
+    for p in range(cfg.protocol.num_fragments):
+        latest, _ = store.load_latest(p, a.layout[p].numel)
+        assert latest is not None
+        store.commit(dataclasses.replace(latest, paces=None))
+    store.close()
+    async with running_server(_config(tmp_path)) as server:
+        assert server.engine.claims.paces() == {} and server.engine.state is not None
 
 
 async def test_one_learner_answering_just_under_the_weight_bound_cannot_raise_it(tmp_path) -> None:

@@ -11,10 +11,15 @@ steps.
 The synchronizer cannot see a learner's steps, but it sees time. A learner's counters for a
 fragment run from the last merge of it the learner applied, which comes back after its previous
 answer. So for each learner (its identity, the learner id bound to its credentials) and fragment
-the guard keeps its last answer (admitted or not), and times a new answer's counters from it;
-from the one before where the new answer is from the same base version and process (the
-previous answer's merge had not come back, so this one carries its steps too); and, where it
-knows no earlier answer (a synchronizer that restarted), from the fragment's last commit. For
+the guard keeps its last answer (admitted or not), and times a new answer's counters from the
+moment that answer can have been sent at the earliest: the synchronizer's latest request of the
+fragment before it arrived (a learner answers a request; answers queued on the way, behind a
+busy synchronizer or a cut link, arrive closer together than they were sent), or its arrival
+where the fleet asks for nothing (learner-clocked modes). From the answer before where the new
+answer is from the same base version and process (the previous answer's merge had not come back,
+so this one carries its steps too). Where it knows no earlier answer, from the earlier of the
+fragment's last commit (a synchronizer that restarted) and the moment the learner's process
+joined (a newcomer trains from the base it got then). For
 each learner it keeps the pace its admitted answers implied (steps / seconds their counters
 cover). A new contribution may claim at most
 
@@ -42,9 +47,11 @@ it took, at the learner's pace or, where that is not known yet, ``growth`` times
 faster learner (a GPU beside CPUs) answers about one period too, since the clock runs at the fast
 learners' pace; where it claims more, its bound grows by about ``growth + 1`` per ``window / 2``
 admitted contributions (the median moves once half the window is at the new pace), up to
-``fleet_factor`` times the others' pace. Where none of this holds (a learner more than ``growth``
-times faster than the rest that answers late in its first rounds; a synchronizer restart with no
-pace reported yet), an honest claim is cut: merged with fewer steps, never refused for it.
+``fleet_factor`` times the others' pace. The learners' paces ride with each commit (``paces``,
+``restore``), so after a restart the answers that carry what learners trained meanwhile are
+bounded by their own pace. Where none of this holds (a learner more than ``growth`` times faster
+than the rest that answers late in its first rounds; a restart whose state holds no pace; a
+wiped state), an honest claim is cut: merged with fewer steps, never refused for it.
 
 What a patient liar still gains: by claiming the bound on every answer it raises its own pace by
 that factor per half window, until ``fleet_factor`` times the fleet's typical pace; from then on
@@ -56,6 +63,7 @@ Bounded, not prevented: the synchronizer cannot tell a faster learner from one t
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,6 +71,13 @@ from pydantic.dataclasses import dataclass as config_dataclass
 
 from ddiloco.algorithm.identity_median import MAX_IDENTITIES, IdentityMedians
 from ddiloco.core.config import STRICT
+
+ASKED_KEPT = 16
+"""Requests per fragment the guard remembers (an answer arrives well within 16 rounds of the
+request it answers, or is stale)."""
+
+KEPT_PACES = 1024
+"""Learners' paces a commit carries at most (the most recently heard)."""
 
 MIN_ELAPSED_S = 1e-3
 """Contributions of one fragment closer together than this give no pace (too noisy to use)."""
@@ -121,7 +136,8 @@ class _Answer:
     """A learner's last answer of a fragment, as the guard saw it."""
 
     at: float
-    """When it arrived."""
+    """The earliest it can have been sent: the latest request of the fragment before it arrived,
+    or its arrival."""
     base: int | None
     incarnation: int | None
     since: float | None
@@ -139,6 +155,33 @@ class ClaimGuard:
         self.first = policy.first_periods * period_steps
         self._last: dict[str, dict[int, _Answer]] = {}
         self._paces = IdentityMedians(policy.window)
+        self._asked: dict[int, deque[float]] = {}
+        """Per fragment, when the synchronizer last asked for it (the newest ``ASKED_KEPT``)."""
+
+    def paces(self, limit: int = KEPT_PACES) -> dict[str, float]:
+        """The learners' own paces (steps per second) where they count (half a window of samples),
+        the ``limit`` most recently heard: what a restarted synchronizer starts from (``restore``)."""
+        known = [(who, pace) for who in self._paces.identities_by_recency()
+                 if self._paces.samples(who) >= max(1, self.policy.window // 2) and (pace := self._paces.of(who))]
+        return {who: float(f"{pace:.4g}") for who, pace in known[-limit:]}
+
+    def restore(self, paces: dict[str, float]) -> None:
+        """Start from the paces a synchronizer before this one measured (the state's newest commit
+        carries them): each counts as half a window of samples, so a learner's first answers after
+        a restart are bounded by its own pace, not by a fleet figure that its waits slowed."""
+        for who, pace in paces.items():
+            if isinstance(who, str) and isinstance(pace, int | float) and math.isfinite(pace) and pace > 0:
+                for _ in range(max(1, self.policy.window // 2)):
+                    self._paces.record(who, float(pace))
+
+    def asked(self, fragment: int, now: float) -> None:
+        """The synchronizer asked every live learner for ``fragment`` at ``now``."""
+        self._asked.setdefault(fragment, deque(maxlen=ASKED_KEPT)).append(now)
+
+    def _sent_after(self, fragment: int, arrived: float) -> float:
+        """The earliest an answer of ``fragment`` that arrived at ``arrived`` can have been sent:
+        the latest request of it before then (a learner answers requests), or ``arrived``."""
+        return next((t for t in reversed(self._asked.get(fragment, ())) if t <= arrived), arrived)
 
     def rate(self, identity: str, fallback: float | None = None) -> float | None:
         """The most steps per second ``identity`` may claim now (None: no pace known).
@@ -182,8 +225,8 @@ class ClaimGuard:
         last admitted one and claim more with every refusal); from the one before that where the
         previous answer was from the same base and process (its merge had not come back, so the
         learner's counters did not start over: this answer carries that one's steps too); from
-        ``fallback_since`` where the guard knows no earlier answer (after a synchronizer restart:
-        the fragment's last commit)."""
+        ``fallback_since`` where the guard knows no earlier answer (the earlier of the fragment's
+        last commit and the moment the learner's process joined)."""
         last = self._last.get(identity, {}).get(fragment)
         if last is None:
             since = fallback_since
@@ -192,7 +235,7 @@ class ClaimGuard:
         else:
             since = last.at
         limit = self._limit(identity, now, since, known=last is not None, fallback_rate=fallback_rate)
-        self._answered(identity, fragment, _Answer(now, base, incarnation, since))
+        self._answered(identity, fragment, _Answer(self._sent_after(fragment, now), base, incarnation, since))
         if limit is None or steps <= limit:
             return ClaimVerdict("accept", steps, tokens, since=since)
         seen = "no earlier answer of it known" if since is None else f"counters timed from {now - since:.3g}s ago"

@@ -69,3 +69,7 @@ class IdentityMedians:
 
     def identities(self) -> int:
         return len(self._medians)
+
+    def identities_by_recency(self) -> list[str]:
+        """The identities held, least recently heard first."""
+        return list(self._values)

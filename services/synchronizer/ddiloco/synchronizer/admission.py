@@ -148,10 +148,11 @@ class Admission:
             return None
         claim = None
         if self.claim_guard is not None:
-            # Where the guard knows no earlier answer (after a restart), the learner's counters run at
-            # most from the fragment's last commit it can have received.
-            since = (c.arrived_at - max(0.0, self.wall() - frag.last_merge_unix)
-                     if frag.last_merge_unix > 0 else None)
+            # Where the guard knows no earlier answer, the learner's counters run from the fragment's
+            # last commit it can have received (after a restart) or from when its process joined.
+            starts = [c.arrived_at - max(0.0, self.wall() - frag.last_merge_unix)] if frag.last_merge_unix > 0 else []
+            starts += [rec.joined_at] if 0 < rec.joined_at <= c.arrived_at else []
+            since = min(starts, default=None)
             claim = self.claim_guard.judge(rec.learner_id, h.fragment_id, steps=h.steps, tokens=h.tokens,
                                            now=c.arrived_at, base=h.version, incarnation=rec.incarnation,
                                            fallback_since=since, fallback_rate=self.fleet_rate())

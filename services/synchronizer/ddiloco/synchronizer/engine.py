@@ -99,12 +99,13 @@ class Engine:
             lambda: [(lid, self.membership.is_live(r, self.clock())) for lid, r in list(self.membership.learners.items())])
         self.ledger = Ledger(membership=self.membership, metrics=self.metrics, log=self.log,
                              event_log=cfg.event_log, wall=wall)
+        self.claims = ClaimGuard(cfg.claim_guard, period_steps=cfg.protocol.sync_every)
         self.admission = Admission(ledger=self.ledger, staleness_window=cfg.staleness_window,
                                    shard=f"{cfg.shard_index}/{cfg.shard_count} (P={cfg.protocol.num_fragments})",
                                    run_blocking=self.run_blocking, codec_threads=cfg.codec_threads,
                                    norm_guard=NormGuard(cfg.norm_guard), on_clip=self._clipped,
                                    weight_guard=WeightGuard(cfg.weight_guard),
-                                   claim_guard=ClaimGuard(cfg.claim_guard, period_steps=cfg.protocol.sync_every),
+                                   claim_guard=self.claims,
                                    on_bound=self._bounded, fleet_rate=self._fleet_rate, wall=wall)
         self.genesis = Genesis(store=self.store, ledger=self.ledger, num_fragments=cfg.protocol.num_fragments,
                                owned=self.owned, shard=(cfg.shard_index, cfg.shard_count),
@@ -146,6 +147,7 @@ class Engine:
         if state is None:
             return False
         self._install(state)
+        self.claims.restore(state.paces)
         self.start_hold = StartHold()  # a fleet that merged before assembled once already
         if state.last_contributors and self.cfg.rejoin_window_s > 0:
             self.rejoin = RejoinHold(state.last_contributors, self.clock() + self.cfg.rejoin_window_s)
@@ -176,7 +178,8 @@ class Engine:
         ctx = RoundContext(clock=self.clock, wall=self.wall, learners=self.membership, pace=self.pace,
                            run_blocking=self.run_blocking, store=self.store, publisher=self.publisher,
                            ledger=self.ledger, rejoin=self.rejoin, start=self.start_hold,
-                           max_wait_s=cfg.heartbeat_interval_s)
+                           max_wait_s=cfg.heartbeat_interval_s,
+                           asked=self.claims.asked, paces=self.claims.paces)
         for frag in self.fragments.values():
             r = FragmentRound(frag, rules=rules, merge=settings, ctx=ctx, log=self.log)
             self.rounds[frag.spec.index] = r

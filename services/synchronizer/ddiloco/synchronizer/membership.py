@@ -32,6 +32,9 @@ class LearnerRecord:
     tokens_per_s: float = 0.0
     step_time_s: float = 0.0
     heartbeat_at: float = 0.0
+    joined_at: float = 0.0
+    """When its current process first attached (the claim guard times a newcomer's first answers
+    from it)."""
     merged: int = 0
     rejected: int = 0
     superseded: int = 0
@@ -66,7 +69,7 @@ class Membership:
                 self._forget_one_disconnected()
             if len(self.learners) >= self.max_learners:
                 raise OverflowError(f"too many learners ({self.max_learners})")
-            record = LearnerRecord(learner_id, Outbox(self.max_control))
+            record = LearnerRecord(learner_id, Outbox(self.max_control), joined_at=now)
             self.learners[learner_id] = record
         else:
             record.closing.set()
@@ -84,6 +87,7 @@ class Membership:
             record.held = {}
             record.outbox.drop_results()
             record.training_done, record.faulty, record.step_time_s = False, "", 0.0
+            record.joined_at = now
         record.incarnation = incarnation
         return record
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from ddiloco.core.logs import get_logger
 from ddiloco.fragments.partition import FragmentLayout
 from ddiloco.synchronizer.global_fragment import GlobalFragment
-from ddiloco.synchronizer.store import StateError, StateStore, atomic_write, layout_from_json
+from ddiloco.synchronizer.store import FragmentRecord, StateError, StateStore, atomic_write, layout_from_json
 
 PROTOCOL_KEYS = ("num_fragments", "sync_every", "overlap", "mode")
 """Protocol constants a state dir is bound to."""
@@ -93,6 +93,8 @@ class LoadedState:
     """Learners merged into the newest version of any fragment."""
     fleet_id: str = ""
     """The fleet this state belongs to (``fleet.json``)."""
+    paces: dict[str, float] = field(default_factory=dict)
+    """The learners' paces the newest commit carries (the claim guard starts from them)."""
 
 
 def load_state(store: StateStore, *, protocol: dict, owned: list[int], history: int) -> LoadedState | None:
@@ -114,6 +116,7 @@ def load_state(store: StateStore, *, protocol: dict, owned: list[int], history: 
     fragments: dict[int, GlobalFragment] = {}
     merges = 0
     contributors: set[str] = set()
+    newest: FragmentRecord | None = None
     for p in owned:
         spec = layout[p]
         latest, older = store.load_latest(p, spec.numel)
@@ -128,6 +131,8 @@ def load_state(store: StateStore, *, protocol: dict, owned: list[int], history: 
         fragments[p] = frag
         merges += latest.merges
         contributors.update((latest.contributors or {}).keys())
+        if newest is None or latest.committed_at > newest.committed_at:
+            newest = latest
     fleet = read_fleet(store.root)
     if fleet is None:
         fleet = {"fleet_id": derived_fleet_id(meta)}
@@ -136,4 +141,4 @@ def load_state(store: StateStore, *, protocol: dict, owned: list[int], history: 
             "fleet id adopted: the state dir is from before fleet ids", state_dir=str(store.root),
             fleet_id=fleet["fleet_id"], shard=meta.get("shard", "0/1"))
     return LoadedState(layout, meta["layout_hash"], meta["model_fingerprint"], fragments, merges,
-                       frozenset(contributors), fleet["fleet_id"])
+                       frozenset(contributors), fleet["fleet_id"], (newest.paces or {}) if newest else {})

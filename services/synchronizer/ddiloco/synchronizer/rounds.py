@@ -140,6 +140,10 @@ class RoundContext:
     start: StartHold
     max_wait_s: float
     """Longest sleep between two decisions (liveness is re-read at least this often)."""
+    asked: Callable[[int, float], None] = lambda fragment, now: None
+    """Told of each request (fragment, when): the claim guard times answers from them."""
+    paces: Callable[[], dict[str, float]] = dict
+    """The learners' paces as the claim guard measured them, for each commit to carry."""
 
 
 @dataclass
@@ -191,7 +195,9 @@ class FragmentRound:
     def request(self, now: float, round_no: int) -> None:
         """The fragment fell due: open its round and ask every live learner for it."""
         request = FragmentRequest(fragment_id=self.index, round=round_no, version=self.fragment.version)
-        asked = self.ctx.learners.ask(request, self.ctx.clock())
+        at = self.ctx.clock()
+        asked = self.ctx.learners.ask(request, at)
+        self.ctx.asked(self.index, at)
         self.state.open(now, round_no, waiting=len(self.inbox) > 0, asked=asked)
         self.log.debug("requested", round=round_no, version=self.fragment.version, learners=len(asked))
         self.poke()
@@ -361,6 +367,6 @@ class FragmentRound:
         transfer = self.ctx.publisher.encode(frag.spec, params, version + 1)
         t1 = time.perf_counter()
         self.ctx.store.commit(FragmentRecord(self.index, version + 1, params, momentum, frag.merges + 1,
-                                             self.ctx.wall(), self._contributors(sealed, keep)))
+                                             self.ctx.wall(), self._contributors(sealed, keep), self.ctx.paces()))
         commit_s = time.perf_counter() - t1
         return MergeOutcome(params, momentum, transfer, merge_s, commit_s)

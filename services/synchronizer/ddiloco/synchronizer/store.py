@@ -85,6 +85,8 @@ class FragmentRecord:
     committed_at: float = 0.0
     contributors: dict[str, list[int]] | None = None
     """learner id -> [incarnation, sequence] of each contribution merged into this version."""
+    paces: dict[str, float] | None = None
+    """learner id -> its pace (steps per second) as the claim guard measured it at this commit."""
 
 
 def fsync_dir(path: pathlib.Path) -> None:
@@ -278,7 +280,7 @@ class StateStore:
         header = json.dumps({
             "fragment": record.fragment, "version": record.version, "merges": record.merges,
             "num_values": int(params.size), "committed_at": record.committed_at or time.time(),
-            "contributors": record.contributors or {},
+            "contributors": record.contributors or {}, "paces": record.paces or {},
         }).encode()
         h = xxhash.xxh3_128()
         parts: list[bytes | memoryview] = [MAGIC, _LEN.pack(len(header)), header,
@@ -351,8 +353,10 @@ class StateStore:
             params = torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body).copy())
             momentum = (torch.from_numpy(np.frombuffer(blob, dtype="<f4", count=n, offset=body + 4 * n).copy())
                         if with_momentum else torch.empty(0))
+            paces = header.get("paces")
             return FragmentRecord(fragment, version, params, momentum, int(header.get("merges", 0)),
-                                  float(header.get("committed_at", 0.0)), header.get("contributors") or {})
+                                  float(header.get("committed_at", 0.0)), header.get("contributors") or {},
+                                  paces if isinstance(paces, dict) else {})
         finally:
             blob.release()
 
