@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import torch
 
 from ddiloco.algorithm.policies import QuorumPolicy
 from ddiloco.algorithm.weight_guard import WeightGuardPolicy
 from ddiloco.synchronizer.store import StateStore
-from tests.scripted import ScriptedLearner, genesis_learner, running_server, sync_config
+from tests.scripted import ScriptedLearner, eventually, genesis_learner, running_server, sync_config
 
 
 def _config(tmp_path, **kw):  # type: ignore[no-untyped-def]
@@ -111,31 +112,50 @@ async def test_a_newcomers_first_answer_is_timed_from_when_it_joined(tmp_path) -
 
 
 async def test_a_learners_pace_outlives_a_synchronizer_restart(tmp_path) -> None:
-    """The paces the claim guard measured ride with each commit: after a restart, a learner that
-    trained on while the synchronizer was away (5 periods in 1 s, as fast as before) is merged as
-    it claims, where a synchronizer that knew no pace cut it to ``first_periods`` periods. A
-    state without paces (written before they were kept) still loads."""
+    """The paces the claim guard measured ride with each commit: after a restart, learners that
+    trained on while the synchronizer was away (at 90% of the pace it measured) are admitted as
+    they claim, where a synchronizer that knew no pace cut them to ``first_periods`` periods. The
+    second one's counters are timed from when its base was committed, before the restart, not
+    from the merge the first one's answer made meanwhile. A state without paces (written before
+    they were kept) still loads."""
     cfg = _config(tmp_path)
     H = cfg.protocol.sync_every
     async with running_server(cfg) as server:
         a = await genesis_learner(server)
+        b = await _joined(server, "b")
+        a.step_time_s = b.step_time_s = 0.025  # the fleet clock asks for fragment 0 every 0.1 s
         numel = a.layout[0].numel
         version = 0
-        for _ in range(30):  # H steps per ~0.02 s
-            await asyncio.sleep(0.02)
-            seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=version, tokens=H * 100, steps=H)
-            assert (await a.wait_result(seq)).outcome == "merged"
+        for i in range(50):  # half the pace window each, and one
+            who = a if i % 2 == 0 else b
+            seq = await who.contribute(0, torch.full((numel,), 0.01), base_version=version, tokens=H * 100, steps=H)
+            assert (await who.wait_result(seq)).outcome == "merged"
             version += 1
+        committed = time.monotonic()
         measured = server.engine.claims.paces()
-        assert set(measured) == {"a"} and measured["a"] > H, measured
+        assert set(measured) == {"a", "b"}, measured
+        await b.close()
         await a.close()
-    await asyncio.sleep(1.0)
-    async with running_server(_config(tmp_path)) as server:
+
+    def honest(who: str) -> int:  # what it trained since its base was committed, at 90% of its pace
+        return int(0.9 * measured[who] * (time.monotonic() - committed))
+
+    await asyncio.sleep(max(1.0, (3 * H + 2) / (0.9 * min(measured.values()))))  # beyond first_periods
+    async with running_server(_config(tmp_path, rejoin_window_s=0.0)) as server:  # merge a's answer at once
         assert server.engine.claims.paces() == measured
         a = await _joined(server, "a")
-        seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=version, tokens=5 * H * 100, steps=5 * H)
-        assert (await a.wait_result(seq)).outcome == "merged"
+        steps = honest("a")
+        seq = await a.contribute(0, torch.full((numel,), 0.01), base_version=version, tokens=steps * 100, steps=steps)
+        assert (await a.wait_result(seq, timeout_s=30.0)).outcome == "merged"
+        assert server.engine.fragments[0].version == version + 1
+        b = await _joined(server, "b")  # joins only now: its join does not cover its counters either
+        steps = honest("b")
+        assert steps > 3 * H
+        await b.contribute(0, torch.full((numel,), 0.01), base_version=version, tokens=steps * 100, steps=steps)
+        await eventually(lambda: any(c.learner_id == "b" for c in server.engine.rounds[0].inbox.entries),
+                         what="b's answer admitted")
         assert server.engine.metrics.claims_bounded._value.get() == 0
+        await b.close()
         await a.close()
     store = StateStore(tmp_path)  # a state from before paces were kept: none known
     for p in range(cfg.protocol.num_fragments):

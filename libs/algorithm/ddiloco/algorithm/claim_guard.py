@@ -18,8 +18,8 @@ busy synchronizer or a cut link, arrive closer together than they were sent), or
 where the fleet asks for nothing (learner-clocked modes). From the answer before where the new
 answer is from the same base version and process (the previous answer's merge had not come back,
 so this one carries its steps too). Where it knows no earlier answer, from the earlier of the
-fragment's last commit (a synchronizer that restarted) and the moment the learner's process
-joined (a newcomer trains from the base it got then). For
+commit of the version the answer was trained from (a synchronizer that restarted) and the moment
+the learner's process joined (a newcomer trains from the base it got then). For
 each learner it keeps the pace its admitted answers implied (steps / seconds their counters
 cover). A new contribution may claim at most
 
@@ -225,8 +225,8 @@ class ClaimGuard:
         last admitted one and claim more with every refusal); from the one before that where the
         previous answer was from the same base and process (its merge had not come back, so the
         learner's counters did not start over: this answer carries that one's steps too); from
-        ``fallback_since`` where the guard knows no earlier answer (the earlier of the fragment's
-        last commit and the moment the learner's process joined)."""
+        ``fallback_since`` where the guard knows no earlier answer (the earlier of the commit of
+        the answer's base version and the moment the learner's process joined)."""
         last = self._last.get(identity, {}).get(fragment)
         if last is None:
             since = fallback_since

@@ -148,9 +148,11 @@ class Admission:
             return None
         claim = None
         if self.claim_guard is not None:
-            # Where the guard knows no earlier answer, the learner's counters run from the fragment's
-            # last commit it can have received (after a restart) or from when its process joined.
-            starts = [c.arrived_at - max(0.0, self.wall() - frag.last_merge_unix)] if frag.last_merge_unix > 0 else []
+            # Where the guard knows no earlier answer, the learner's counters run from about when the
+            # version it trained from was committed (after a restart: merges since then do not move
+            # it), else from the fragment's last commit, or from when its process joined.
+            base_at = frag.committed.get(h.version) or frag.last_merge_unix
+            starts = [c.arrived_at - max(0.0, self.wall() - base_at)] if base_at > 0 else []
             starts += [rec.joined_at] if 0 < rec.joined_at <= c.arrived_at else []
             since = min(starts, default=None)
             claim = self.claim_guard.judge(rec.learner_id, h.fragment_id, steps=h.steps, tokens=h.tokens,

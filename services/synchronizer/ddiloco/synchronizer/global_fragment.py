@@ -38,6 +38,8 @@ class GlobalFragment:
     last_merge_unix: float = 0.0
     last_quorum_size: int = 0
     last_grace_s: float = 0.0
+    committed: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    """When each retained version was committed (unix time; loaded with the state)."""
     last_merged: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """learner id -> (incarnation, sequence, version) of its newest merged contribution; survives
     restarts through the committed files, so a contribution sent again is never merged twice."""
@@ -52,6 +54,12 @@ class GlobalFragment:
         self.history[version] = None if self.reader is not None else params
         while len(self.history) > self.history_size + 1:
             self.history.popitem(last=False)
+        while len(self.committed) > self.history_size + 1:
+            self.committed.popitem(last=False)
+
+    def note_committed(self, version: int, when: float) -> None:
+        self.committed[version] = when
+        self.committed.move_to_end(version)
 
     def keep_on_disk(self, reader: Callable[[int], torch.Tensor | None]) -> None:
         """From now on read retained versions back with ``reader`` instead of holding them."""
@@ -79,6 +87,7 @@ class GlobalFragment:
         self.params, self.momentum, self.version = params, momentum, version
         self.merges += 1
         self.last_merge_unix = when
+        self.note_committed(version, when)
         self.remember(version, params)
         self.note_merged(version, contributors or {})
 

@@ -126,6 +126,7 @@ def load_state(store: StateStore, *, protocol: dict, owned: list[int], history: 
                               last_merge_unix=latest.committed_at, history_size=history, reader=functools.partial(store.read_params, p, num_values=spec.numel))
         frag.history.clear()
         for rec in [*older, latest]:
+            frag.note_committed(rec.version, rec.committed_at)
             frag.remember(rec.version, rec.params)
             frag.note_merged(rec.version, rec.contributors or {})
         fragments[p] = frag
