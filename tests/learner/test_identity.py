@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ddiloco.learner.config import LearnerConfig
 
@@ -30,3 +31,19 @@ def test_explicit_shard_wins_and_bad_ones_are_refused_at_config_time():
     for kw in ({"shard_index": 8}, {"num_shards": 0}):
         with pytest.raises(ValueError, match="num_shards"):
             LearnerConfig(learner_id="a", **kw)
+
+
+def test_learners_sharing_a_shard_draw_different_batches_unless_it_was_given():
+    """Two ids that land in one shard (an ordinal beyond num_shards, pods hashed into it) draw
+    different windows of it; a shard given with --shard keeps the stream of its index."""
+    from ddiloco.training.data import shard_generator
+
+    def first_draws(cfg: LearnerConfig) -> list[int]:
+        return torch.randint(0, 10**9, (4,), generator=shard_generator(7, cfg.batch_stream())).tolist()
+
+    a, b = LearnerConfig(learner_id="learner-1", num_shards=4), LearnerConfig(learner_id="learner-9", num_shards=4)
+    assert a.resolved_shard() == b.resolved_shard() == (1, 4)
+    assert first_draws(a) != first_draws(b)
+    given = [LearnerConfig(learner_id=n, shard_index=1, num_shards=4) for n in ("x", "y")]
+    assert given[0].batch_stream() == given[1].batch_stream() == 1
+    assert first_draws(given[0]) == torch.randint(0, 10**9, (4,), generator=shard_generator(7, 1)).tolist()

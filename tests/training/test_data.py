@@ -20,6 +20,7 @@ from ddiloco.training.data import (
     eval_batches,
     is_eval_file,
     load_corpus,
+    order_files,
     shard_generator,
     sources,
     stdlib_cache_path,
@@ -65,7 +66,10 @@ def test_stdlib_corpus_contents(corpus: Corpus) -> None:
     files = corpus.files
     assert corpus.name == "stdlib" and corpus.train.dtype == np.uint8
     assert len(files) > 20 and len(set(files)) == len(files)
-    assert list(corpus.train_files) == sorted(corpus.train_files)
+    # the default order: train files shuffled by data.seed (never sorted), eval files sorted
+    assert list(corpus.train_files) == order_files(list(corpus.train_files), "shuffled", 0)
+    assert list(corpus.train_files) != sorted(corpus.train_files)
+    assert list(corpus.eval_files) == sorted(corpus.eval_files)
     for rel in files:
         parts = rel.split("/")
         assert rel.endswith(".py")

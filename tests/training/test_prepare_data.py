@@ -115,16 +115,43 @@ def test_cli_bytes_output_is_the_text_dir_corpus(texts: Path, tmp_path: Path) ->
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left behind
     text = load_corpus(DataConfig(corpus=f"text-dir:{texts}", max_bytes=1 << 30))
+    assert list(text.train_files) != sorted(text.train_files)  # the default order: shuffled, seed 0
     prepared = _tokens(out)
     assert np.array_equal(np.asarray(prepared.train), text.train)
     assert np.array_equal(np.asarray(prepared.eval), text.eval)
     meta = json.loads((out / "meta.json").read_text())
+    assert (meta["order"], meta["seed"]) == ("shuffled", 0) and "shuffled order (seed 0)" in r.stdout
     assert meta["format"] == "ddiloco-tokens" and meta["dtype"] == "uint16" and meta["vocab_size"] == 256
     assert meta["tokenizer"] == {"kind": "bytes", "vocab_size": 256, "separator_id": 0}
     assert meta["documents"] == {"train": len(text.train_files), "eval": len(text.eval_files)}
     assert meta["tokens"] == {"train": text.train.size, "eval": text.eval.size}
     assert meta["files"]["val.bin"] == {"split": "eval", "tokens": text.eval.size, "documents": len(text.eval_files)}
     assert (out / "train.bin").stat().st_size == 2 * text.train.size
+
+
+@pytest.mark.parametrize(("flags", "data"), [
+    (["--seed", "7"], {"seed": 7}),
+    (["--order", "shuffled", "--seed", "-3"], {"order": "shuffled", "seed": -3}),
+    (["--order", "contiguous"], {"order": "contiguous"}),
+    (["--order", "contiguous", "--seed", "7"], {"order": "contiguous", "seed": 2}),  # no seed in a sorted layout
+])
+def test_prepared_tokens_follow_the_data_order(flags: list[str], data: dict[str, object], texts: Path,
+                                               tmp_path: Path) -> None:
+    """prepare-data --order/--seed lays the train files out as data.order/data.seed lay out text-dir:."""
+    out = tmp_path / "out"
+    assert prepare_data.main(["--input", str(texts), "--out", str(out), *flags]) == 0
+    text = load_corpus(DataConfig(corpus=f"text-dir:{texts}", max_bytes=1 << 30, **data))  # type: ignore[arg-type]
+    prepared = _tokens(out)
+    assert np.array_equal(np.asarray(prepared.train), text.train)
+    assert np.array_equal(np.asarray(prepared.eval), text.eval)
+    contiguous = data.get("order") == "contiguous"
+    assert (list(text.train_files) == sorted(text.train_files)) is contiguous
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["order"] == data.get("order", "shuffled") and meta["seed"] == int(flags[-1] if "--seed" in flags else 0)
+    default = load_corpus(DataConfig(corpus=f"text-dir:{texts}", max_bytes=1 << 30))
+    assert not np.array_equal(np.asarray(prepared.train), default.train)  # the order changed the layout
+    assert np.array_equal(np.asarray(prepared.eval), default.eval)  # and never the eval split
+    assert sorted(text.train_files) == sorted(default.train_files)
 
 
 def test_cli_tokenizer_output_is_direct_tokenisation(texts: Path, tok_dir: Path, tmp_path: Path) -> None:
@@ -246,6 +273,8 @@ def test_bad_inputs_exit_2_and_write_nothing(
         "no file fits --max-bytes 3": ["--input", texts, "--out", out, "--max-bytes", "3"],
         "same relative path": ["--input", texts / "part0", texts / "part1", texts / "part0", "--out", out],
         "invalid choice: 'int8'": ["--input", texts, "--out", out, "--dtype", "int8"],
+        "--order: invalid choice: 'random'": ["--input", texts, "--out", out, "--order", "random"],
+        "--seed: invalid int value: 'x'": ["--input", texts, "--out", out, "--seed", "x"],
     }
     before = sorted(p.name for p in tmp_path.iterdir())
     for msg, args in cases.items():

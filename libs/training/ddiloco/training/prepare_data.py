@@ -9,9 +9,12 @@ Design decisions:
 
 - **The same corpus as ``text-dir:``.** File selection (``--max-bytes``, the salted-hash order),
   the eval split (``is_eval_file`` on the relative path, with the same fallback for a folder
-  where no file hashes into eval), document order and separators all come from
-  ``ddiloco.training.data``: ``tokens:DIR`` after ``prepare-data --input SRC`` trains on exactly the
-  tokens of ``text-dir:SRC`` with the same tokenizer, cap and eval modulus. With several inputs a
+  where no file hashes into eval), document order (``--order``/``--seed``, as ``data.order``/
+  ``data.seed``: train files shuffled by a sha1 of (seed, path) by default, or sorted by path)
+  and separators all come from ``ddiloco.training.data``: ``tokens:DIR`` after ``prepare-data
+  --input SRC`` trains on exactly the tokens of ``text-dir:SRC`` with the same tokenizer, cap,
+  eval modulus, order and seed. ``tokens:`` uses files as written, so the order chosen here is
+  the one its learners' contiguous shards are cut from. With several inputs a
   file's relative path is prefixed with its input's folder name (``a/x.txt``, ``b/x.txt``), so
   the split stays a property of each file. When there is nothing to split by file (one file, or
   every file hashing into eval), everything is train and no ``val.bin`` is written:
@@ -51,9 +54,11 @@ from ddiloco.training.data import (
     META_NAME,
     TOKEN_DTYPES,
     TOKENS_FORMAT,
+    DataOrder,
     TextTokenizer,
     encode_documents,
     load_tokenizer,
+    order_files,
     scan_text_dir,
     split_files,
     token_dtype_for,
@@ -218,17 +223,19 @@ def _terminate_cleanly() -> Iterator[None]:
 
 
 def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", eval_modulus: int = 20,
-            dtype: str = "auto", max_bytes: int | None = None, force: bool = False) -> dict[str, Any]:
+            dtype: str = "auto", max_bytes: int | None = None, force: bool = False,
+            order: DataOrder = "shuffled", seed: int = 0) -> dict[str, Any]:
     """Tokenise ``inputs`` into ``out``; the meta written. Raises Refused (nothing written) on bad
-    input and OSError when writing fails (partial output removed)."""
+    input and OSError when writing fails (partial output removed). ``order`` and ``seed`` lay out
+    the train files as ``data.order`` and ``data.seed`` lay out a ``text-dir:`` corpus."""
     paths, sizes = _sources(inputs)
     if not paths:
         raise Refused(f"no text files (.txt/.py/.md, or files named directly) in {' '.join(inputs)}")
-    train, evals = split_files(sizes, max_bytes, eval_modulus)
+    train, evals = split_files(sizes, max_bytes, eval_modulus, order=order, seed=seed)
     if not train and not evals:
         raise Refused(f"no file fits --max-bytes {max_bytes} (the smallest has {min(sizes.values())} bytes)")
     if not train or not evals:  # nothing to split by file: all is train, tokens: holds out the tail
-        train, evals = sorted(train + evals), []
+        train, evals = order_files(train + evals, order, seed), []
     _check_out(out, force)
     try:
         tok = load_tokenizer(tokenizer)
@@ -269,6 +276,8 @@ def prepare(inputs: list[str], out: Path, tokenizer: str = "bytes", eval_modulus
             "eval_split": "files" if evals else "tail",
             "eval_modulus": eval_modulus,
             "max_bytes": max_bytes,
+            "order": order,
+            "seed": seed,
             "tokens": {"train": counts.get("train", 0), "eval": counts.get("eval", 0)},
             "documents": {"train": len(train), "eval": len(evals)},
             "files": files_meta,
@@ -303,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="token type; auto: uint16 when the vocab has <= 65536 ids, else uint32")
     parser.add_argument("--max-bytes", type=int, metavar="N",
                         help="read at most N bytes of text (whole files, the text-dir selection); default: all")
+    parser.add_argument("--order", choices=("shuffled", "contiguous"), default="shuffled",
+                        help="layout of the train files: shuffled by --seed (default: every contiguous learner "
+                             "shard draws from the whole corpus) or contiguous (sorted by path), as data.order")
+    parser.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="seed of the shuffled order (default 0); give the run's data.seed to match text-dir:")
     parser.add_argument("--force", action="store_true", help="replace a previous prepare-data output in DIR")
     args = parser.parse_args(argv)
     if args.eval_modulus < 2:
@@ -313,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _terminate_cleanly():
             meta = prepare(args.input, out, tokenizer=args.tokenizer, eval_modulus=args.eval_modulus,
-                           dtype=args.dtype, max_bytes=args.max_bytes, force=args.force)
+                           dtype=args.dtype, max_bytes=args.max_bytes, force=args.force,
+                           order=args.order, seed=args.seed)
     except Refused as e:
         print(f"ddiloco prepare-data: {e}", file=sys.stderr)
         return 2
@@ -329,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                  else "eval: none (tokens: holds out the last 1/eval_modulus of train)")
     print(f"prepared {where}: {docs['train'] + docs['eval']} files; train {tokens['train']:,} tokens "
           f"({docs['train']} files); {eval_part}; dtype {meta['dtype']}; vocab_size {meta['vocab_size']} "
-          f"(tokenizer {args.tokenizer})")
+          f"(tokenizer {args.tokenizer}); train files in {meta['order']} order"
+          + (f" (seed {meta['seed']})" if meta["order"] == "shuffled" else ""))
     print(f"train on it with data.corpus: tokens:{where} (model.vocab_size >= {meta['vocab_size']})")
     return 0
 

@@ -197,6 +197,15 @@ class LearnerConfig:
         digest = hashlib.sha256(lid.encode()).digest()
         return int.from_bytes(digest[:8], "big") % self.num_shards, self.num_shards
 
+    def batch_stream(self) -> int | str:
+        """What keys this learner's batch-sampling stream beside the seeds: its shard index where
+        the shard was given (``--shard``: reproducible, as ``ddiloco run`` and the quality study's
+        reference fleet start their learners), else the shard and the learner id, so two learners
+        whose ids land in one shard (pods hashed into it, ordinals beyond ``num_shards``) draw
+        different windows of it instead of the same batches."""
+        shard, _ = self.resolved_shard()
+        return shard if self.shard_index >= 0 else f"{shard}:{self.resolved_id}"
+
 
 def learner_config(document: dict[str, Any], **overrides: Any) -> LearnerConfig:
     """The learner's config from a config document (its ``learner`` section and the shared

@@ -50,7 +50,7 @@ class Learner:
         corpus = load_corpus(cfg.data)
         self.shard_index, self.num_shards = cfg.resolved_shard()
         self.shard = TokenShard(corpus.train, self.shard_index, self.num_shards)
-        self.generator = shard_generator(cfg.data.seed * 1_000_003 + cfg.train.seed, self.shard_index)
+        self.generator = shard_generator(cfg.data.seed * 1_000_003 + cfg.train.seed, cfg.batch_stream())
         self.eval_set = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, cfg.train.eval_batches)
         model = build_model(cfg.model, cfg.train.seed)
         self.fingerprint = model_fingerprint(model, cfg.model)

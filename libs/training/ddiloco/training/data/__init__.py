@@ -27,15 +27,23 @@ Design decisions:
 - **Deterministic everywhere.** Files are enumerated by relative path (POSIX separators). The
   ``max_bytes`` cap keeps whole files in the order of a salted sha1 of their path (a fixed
   pseudo-random order, so the cap samples the whole library rather than its first packages
-  alphabetically), then lays the kept files out sorted by path. A file belongs to the eval split
-  when ``sha1(path) % eval_modulus == 0`` (~5% with 20): the split of a file never depends on
-  which other files exist. Learner shards are disjoint contiguous slices of the train tokens and
-  batches come from an explicit ``torch.Generator``, so (corpus, seed, shard) fixes the data.
+  alphabetically). A file belongs to the eval split when ``sha1(path) % eval_modulus == 0`` (~5%
+  with 20): the split of a file never depends on which other files exist, nor on the seed. Learner
+  shards are disjoint contiguous slices of the train tokens and batches come from an explicit
+  ``torch.Generator``, so (corpus, order, seed, shard) fixes the data.
+
+
+- **Shards drawn from one distribution.** A contiguous shard is only as representative as the
+  layout it is cut from: the train files of a text corpus are laid out in an order shuffled by
+  ``DataConfig.seed`` (``order: shuffled``, a sha1 of (seed, path), the same on every learner),
+  so each learner's shard samples the whole corpus as data-parallel training does.
+  ``order: contiguous`` lays them out sorted by path (each shard a run of neighbouring packages:
+  non-IID learners), kept to measure that case. Eval files stay sorted by path.
 
 
 - **Cached, safely.** Building the stdlib corpus reads ~700 files; the result is cached under
   ``$DDILOCO_CACHE_DIR`` (default ``~/.cache/ddiloco``) in one file keyed by a hash of (format,
-  python version, stdlib path, cap, eval modulus). The file carries a header with the payload's
+  python version, stdlib path, cap, eval modulus, order and, when shuffled, seed). The file carries a header with the payload's
   sha256 and is written to a temp file, fsynced and renamed, so concurrent learners starting at
   once never read a half-written cache; a corrupt or truncated cache is rebuilt, not loaded.
 
@@ -55,7 +63,14 @@ The modules, lowest first: ``tokenizer`` (bytes or a ``tokenizer.json`` into tok
 from ddiloco.training.data.batches import TokenShard, eval_batches, shard_generator
 from ddiloco.training.data.cache import default_cache_dir
 from ddiloco.training.data.config import CORPUS_KINDS, DataConfig
-from ddiloco.training.data.corpus import Corpus, is_eval_file, split_files
+from ddiloco.training.data.corpus import (
+    DATA_ORDERS,
+    Corpus,
+    DataOrder,
+    is_eval_file,
+    order_files,
+    split_files,
+)
 from ddiloco.training.data.sequences import TokenSequence, as_token_sequence, unigram_entropy
 from ddiloco.training.data.sources import load_corpus, scan_text_dir, stdlib_cache_path
 from ddiloco.training.data.token_files import META_NAME, TOKEN_DTYPES, TOKENS_FORMAT, token_dtype_for
@@ -63,11 +78,13 @@ from ddiloco.training.data.tokenizer import TextTokenizer, encode_documents, loa
 
 __all__ = [
     "CORPUS_KINDS",
+    "DATA_ORDERS",
     "META_NAME",
     "TOKENS_FORMAT",
     "TOKEN_DTYPES",
     "Corpus",
     "DataConfig",
+    "DataOrder",
     "TextTokenizer",
     "TokenSequence",
     "TokenShard",
@@ -78,6 +95,7 @@ __all__ = [
     "is_eval_file",
     "load_corpus",
     "load_tokenizer",
+    "order_files",
     "scan_text_dir",
     "shard_generator",
     "split_files",

@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 # do not pay its start-up time (seconds) for data that never becomes a tensor there.
 
 
-def shard_generator(seed: int, shard_index: int) -> torch.Generator:
-    """The batch-sampling generator of one shard: independent streams per (seed, shard)."""
+def shard_generator(seed: int, shard_index: int | str) -> torch.Generator:
+    """The batch-sampling generator of one shard: independent streams per (seed, shard).
+    ``shard_index`` may be any key naming the stream (a learner whose shard came from its id
+    passes the shard and the id: ``LearnerConfig.batch_stream``)."""
     import torch
 
     digest = hashlib.sha256(f"ddiloco-data:{seed}:{shard_index}".encode()).digest()
@@ -44,6 +46,10 @@ def _windows(tokens: TokenSequence, starts: torch.Tensor, context: int) -> torch
 
 class TokenShard:
     """Shard ``shard_index`` of ``num_shards``: train tokens [s*L//n, (s+1)*L//n).
+
+    A contiguous slice is a sample of the whole corpus only if the layout is: text corpora lay
+    their train files out shuffled by default (``DataConfig.order``); ``tokens:`` files are cut as
+    written, so their documents should be shuffled before they are written (``docs/data.md``).
 
     ``tokens`` may be an in-memory array or a ``TokenSequence`` of mapped files; the shard keeps a
     view (``sequence``), never a copy, so a learner of a multi-GB corpus holds only its batches.

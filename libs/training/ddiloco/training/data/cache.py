@@ -5,6 +5,11 @@ Building the stdlib corpus reads ~700 files; the result is cached under ``$DDILO
 carries a header with the payload's sha256 and is written to a temp file, fsynced and renamed, so
 concurrent learners starting at once never read a half-written cache; a corrupt or truncated
 cache is refused here (``read_cache`` raises ValueError) and rebuilt by the caller.
+
+The cache key (the file name) holds the data order and, for ``shuffled``, the seed; the header
+records that layout too, and ``read_cache`` refuses a file whose layout is not the one asked for
+(a file copied or renamed into another key's place), so a corpus of another order or seed is
+never reused.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import os
 import struct
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ddiloco.training.data.corpus import Corpus
 
 CACHE_ENV = "DDILOCO_CACHE_DIR"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+"""2: the header records the layout (data order and seed)."""
 _CACHE_MAGIC = b"DDILOCO-CORPUS\x00"
 
 
@@ -31,7 +38,9 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "ddiloco"
 
 
-def write_cache(path: Path, corpus: Corpus) -> None:
+def write_cache(path: Path, corpus: Corpus, layout: dict[str, Any]) -> None:
+    """Write ``corpus`` to ``path`` atomically; ``layout`` (the data order, and the seed when it
+    is used) goes into the header for ``read_cache`` to check."""
     payload = np.asarray(corpus.train).tobytes() + np.asarray(corpus.eval).tobytes()
     header = json.dumps(
         {
@@ -40,6 +49,7 @@ def write_cache(path: Path, corpus: Corpus) -> None:
             "eval_len": int(corpus.eval.size),
             "train_files": corpus.train_files,
             "eval_files": corpus.eval_files,
+            "layout": layout,
             "sha256": hashlib.sha256(payload).hexdigest(),
         }
     ).encode()
@@ -56,8 +66,9 @@ def write_cache(path: Path, corpus: Corpus) -> None:
         raise
 
 
-def read_cache(path: Path) -> Corpus:
-    """The cached corpus at ``path``; ValueError when it is not a complete, intact cache file."""
+def read_cache(path: Path, layout: dict[str, Any]) -> Corpus:
+    """The cached corpus at ``path``; ValueError when it is not a complete, intact cache file, or
+    when it was built with another layout than ``layout`` (data order and seed)."""
     blob = path.read_bytes()
     head = len(_CACHE_MAGIC) + 8
     if len(blob) < head or not blob.startswith(_CACHE_MAGIC):
@@ -68,6 +79,8 @@ def read_cache(path: Path) -> Corpus:
         train_len, eval_len = int(meta["train_len"]), int(meta["eval_len"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"bad header: {e}") from None
+    if meta.get("layout") != layout:
+        raise ValueError(f"built with layout {meta.get('layout')}, not {layout}")
     payload = memoryview(blob)[head + header_len :]
     if len(payload) != train_len + eval_len:
         raise ValueError(f"payload is {len(payload)} bytes, header says {train_len + eval_len}")

