@@ -2,6 +2,7 @@
 
 Each test runs the CLI exactly as a user would and checks the run folder: merges happened, every
 fragment advanced, loss fell far below its start, and the summary's numbers agree with the logs.
+The final evaluation, of every mode, reads the whole held-out split (the default).
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ protocol: {num_fragments: 4, sync_every: 8, overlap: 2}
 model: {d_model: 32, n_layer: 2, n_head: 2, context: 32}
 data: {batch_size: 8, context: 32, max_bytes: 1000000}
 train: {eval_every: 20, eval_batches: 2, lr: 0.003, warmup_steps: 5}
-run: {final_eval_batches: 4, global_eval_every_s: 1.0}
+run: {global_eval_every_s: 1.0}
 synchronizer: {policy: {quorum: 1, grace_gamma: 0.5, max_grace_s: 1.0}, heartbeat_interval_s: 0.5}
 # a known pace (steps of at least 30 ms), so merges per step are the same on a machine of any speed
 learner: {min_step_s: 0.03}
 """
 
 
-def _run(tmp_path: pathlib.Path, *args: str, extra: str = "", name: str = "run") -> dict:
+def _run(tmp_path: pathlib.Path, *args: str, extra: str = "", name: str = "run", base: str = TINY) -> dict:
     cfg = tmp_path / f"{name}.yaml"
-    cfg.write_text(TINY + extra)
+    cfg.write_text(base + extra)
     out = tmp_path / name
     proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out", str(out),
                      "--no-progress", *args], capture_output=True, text=True, timeout=240)
@@ -45,7 +46,19 @@ def _run(tmp_path: pathlib.Path, *args: str, extra: str = "", name: str = "run")
     summary = json.loads((out / "summary.json").read_text())
     summary["_out"] = out
     summary["_printed"] = json.loads(proc.stdout[:proc.stdout.rindex("run folder:")])
+    summary["_stderr"] = proc.stderr
     return summary
+
+
+def _whole_split() -> dict:
+    """The final evaluation's set of TINY's data, counted from the corpus: every window of 32
+    tokens of the held-out split once, in batches of 8."""
+    from ddiloco.training.data import DataConfig, load_corpus
+
+    tokens = len(load_corpus(DataConfig(batch_size=8, context=32, max_bytes=1000000)).eval)
+    windows = (tokens - 1) // 32
+    return {"split": "all", "batches": -(-windows // 8), "batch_size": 8, "windows": windows, "tokens": windows * 32,
+            "split_tokens": tokens}
 
 
 def _first_loss(out: pathlib.Path) -> float:
@@ -86,6 +99,8 @@ def test_decoupled_run_with_two_learners(tmp_path):
     assert first["loss"] == pytest.approx(math.log(256), abs=0.1), "the untrained model is near uniform"
     assert last["final"] is True and last["tokens"] == s["tokens"] and last["loss"] == s["final_eval_loss"]
     assert last["min_version"] > 0 and all("final" not in e for e in curve[:-1])
+    assert s["final_eval"] == _whole_split() and printed["final_eval"]["split"] == "all"
+    assert s["train"] == {"lr": 0.003, "lr_from": "config", "warmup_steps": 5, "warmup_steps_from": "config"}
     tokens = [e["tokens"] for e in curve]
     assert tokens == sorted(tokens)
     assert all(math.isfinite(e["loss"]) for e in curve)
@@ -134,6 +149,16 @@ def test_baseline_run_dir_is_reported_beside_the_run_and_mismatches_are_refused(
                         capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert not out.exists(), "a refused run must not start"
+    # a run from before the final evaluation's set was recorded measured another one: no baseline
+    older = tmp_path / "older"
+    older.mkdir()
+    summary = json.loads((base["_out"] / "summary.json").read_text())
+    del summary["final_eval"]
+    (older / "summary.json").write_text(json.dumps(summary))
+    proc = run_tree([sys.executable, "-m", "ddiloco.core.cli", "run", "--config", str(cfg), "--out",
+                     str(tmp_path / "refused"), "--no-progress", "--learners", "2", "--steps", "40",
+                     "--baseline", str(older)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "not comparable" in proc.stderr, proc.stderr
     proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "run", "--baseline", str(tmp_path / "nowhere")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cannot read" in proc.stderr
@@ -145,13 +170,32 @@ def test_baseline_run_dir_is_reported_beside_the_run_and_mismatches_are_refused(
 
 
 def test_dp_reference_sees_the_same_tokens(tmp_path):
+    """With ``train.lr`` and ``train.warmup_steps`` in its config file (TINY's), dp trains at them."""
     s = _run(tmp_path, "--learners", "2", "--steps", "60", "--mode", "dp")
+    assert s["train"] == {"lr": 0.003, "lr_from": "config", "warmup_steps": 5, "warmup_steps_from": "config"}
+    assert s["final_eval"] == _whole_split()
     assert s["mode"] == "dp" and s["tokens"] == 120 * 8 * 32 and s["steps"] == 60
     assert s["final_eval_loss"] < _first_loss(s["_out"]) - 1.0
     assert [t for t, _ in s["global_eval"]] == [0, s["tokens"]] and s["global_eval"][-1][1] == s["final_eval_loss"]
     assert 0 < s["learner_goodput"] <= 1 and s["global_downtime_s"] == 0.0
     events = {e["event"] for e in load_jsonl(s["_out"] / "learners" / "dp.jsonl")}
     assert not events & {"send", "result"}, "the reference sends nothing and pretends nothing"
+
+
+def test_dp_as_shipped_trains_at_its_own_tuned_lr_and_says_so(tmp_path):
+    """No ``train.lr`` / ``train.warmup_steps`` in the file: dp trains at its tuned 6e-3 and 60 steps
+    (``run_config.DP_TUNED``), not the learners' lr, and says which it used and why."""
+    from ddiloco.lab.run_config import DP_TUNED
+
+    shipped = TINY.replace(", lr: 0.003, warmup_steps: 5}", "}")
+    assert "lr:" not in shipped
+    s = _run(tmp_path, "--learners", "2", "--steps", "60", "--mode", "dp", base=shipped)
+    assert s["train"] == {"lr": DP_TUNED.lr, "lr_from": "dp tuned default", "warmup_steps": DP_TUNED.warmup_steps,
+                          "warmup_steps_from": "dp tuned default"}
+    start = next(e for e in load_jsonl(s["_out"] / "learners" / "dp.jsonl") if e["event"] == "start")
+    assert (start["config"]["train"]["lr"], start["config"]["train"]["warmup_steps"]) == (0.006, 60)
+    assert "dp trains at lr 0.006 (dp's tuned default" in s["_stderr"] and s["_printed"]["lr"] == 0.006
+    assert s["final_eval"] == _whole_split() and s["final_eval_loss"] < _first_loss(s["_out"]) - 0.5
 
 
 @pytest.mark.parametrize("mode", ["diloco", "streaming"])

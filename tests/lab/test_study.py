@@ -82,9 +82,9 @@ def test_the_last_merge_of_hand_overs_takes_no_momentum_unless_asked() -> None:
     """The synchronizer's rule for a round of hand-overs only: training is the same to the last
     step (the learners' mean model, bytes and merges are equal), only the last merge of each
     fragment differs. A result saved before the setting existed ran with the momentum."""
-    with_momentum = parse_case("decoupled:sync_every=2:fragments=2:overlap=1", **SMALL)
-    without = parse_case("decoupled:sync_every=2:fragments=2:overlap=1:hand_over_momentum=off", **SMALL)
-    assert "-hand_over_momentum_off" in without.id and "hand_over" not in with_momentum.id
+    with_momentum = parse_case("decoupled:sync_every=2:fragments=2:overlap=1:hand_over_momentum=on", **SMALL)
+    without = parse_case("decoupled:sync_every=2:fragments=2:overlap=1", **SMALL)
+    assert "-hand_over_momentum_on" in with_momentum.id and "hand_over" not in without.id  # off: the product's
     a, b = run_case(with_momentum), run_case(without)
     assert (a["learner_mean_eval_loss"], a["bytes_up"], a["merges"]) == (b["learner_mean_eval_loss"], b["bytes_up"], b["merges"])
     assert a["final_eval_loss"] != b["final_eval_loss"]
@@ -95,7 +95,7 @@ def test_the_last_merge_of_hand_overs_takes_no_momentum_unless_asked() -> None:
 def test_results_saved_before_a_setting_existed_are_reported_and_reindexed(tmp_path) -> None:
     """A result without ``hand_over_momentum`` (saved before it existed) ran with the momentum:
     the report reads it as that case, and reindexing leaves it under its name."""
-    dp, decoupled = parse_case("dp", **SMALL), parse_case("decoupled", **SMALL)
+    dp, decoupled = parse_case("dp", **SMALL), parse_case("decoupled:hand_over_momentum=on", **SMALL)
     for case, loss in ((dp, 2.0), (decoupled, 2.2)):
         saved = {k: v for k, v in case.settings().items() if k != "hand_over_momentum"}
         (tmp_path / f"{case.id}.json").write_text(json.dumps({
@@ -185,7 +185,9 @@ def test_the_command(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "study", "quality", "--sweep", "frontier",
                            "--list", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "decoupled-warmup_steps_30-fragments_6-sync_every_6-codec_int2_block-momentum_warmup_0" in proc.stdout
+    # the first stages' cases name the defaults they ran around (sweeps.BEFORE, STAGE1)
+    assert ("decoupled-data_order_contiguous-inner_lr_0.003-warmup_steps_30-fragments_6-sync_every_6-apply_at_tau-"
+            "codec_int2_block-momentum_warmup_0-hand_over_momentum_on ") in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "ddiloco.core.cli", "study", "quality", "--cases", "dp:inner_lr=x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "inner_lr takes a float" in proc.stderr
@@ -211,3 +213,92 @@ def test_results_are_renamed_to_the_ids_their_settings_have_under_todays_default
     assert Results(tmp_path).get(old_default)["final_eval_loss"] == 2.5
     assert Results(tmp_path).get(new_default)["final_eval_loss"] == 2.4
     assert (tmp_path / "dp-elsewhere.json").exists(), "a name already taken is left alone"
+
+
+# -- the product's defaults, and what a case's identity holds ---------------------------------------
+
+
+def test_the_cases_defaults_are_what_ddiloco_run_ships() -> None:
+    """``decoupled`` / ``diloco`` / ``dp`` with no settings are the product's defaults, read from the
+    learner's, the synchronizer's and the run's own config classes (dp at its tuned lr and warm-up):
+    a default changed in one place and not the other fails here."""
+    from ddiloco.lab.run_config import DP_TUNED
+    from ddiloco.lab.study.case import CONTEXT, DEFAULTS, product_settings
+    from ddiloco.lab.study.reference import STALENESS_WINDOW
+    from ddiloco.synchronizer.config import SynchronizerConfig
+    from ddiloco.training.data import DataConfig
+
+    assert Case() == DEFAULTS["decoupled"]
+    for mode, case in DEFAULTS.items():
+        product = product_settings(mode)
+        drift = {k: (getattr(case, k), product[k]) for k in case.used() if getattr(case, k) != product[k]}
+        assert not drift, f"{mode}: the study's default (left) is not the product's (right): {drift}"
+    assert (DEFAULTS["dp"].inner_lr, DEFAULTS["dp"].warmup_steps) == (DP_TUNED.lr, DP_TUNED.warmup_steps)
+    assert DEFAULTS["decoupled"].inner_lr != DP_TUNED.lr  # dp's own, not the learners'
+    assert Case().eval_batches == 0, "the final evaluation reads the whole held-out split"
+    assert Case().data_order == getattr(DataConfig(), "order", "contiguous")
+    assert SynchronizerConfig().staleness_window == STALENESS_WINDOW and DataConfig().context == CONTEXT
+
+
+def test_data_order_eval_set_and_python_version_are_part_of_a_cases_identity() -> None:
+    base = parse_case("decoupled", **SMALL)
+    assert base.python == f"{sys.version_info.major}.{sys.version_info.minor}"
+    other_order = "contiguous" if base.data_order == "shuffled" else "shuffled"
+    variants = [base.settings() | {"data_order": other_order}, base.settings() | {"eval_batches": 32},
+                base.settings() | {"eval_batches": 0}, base.settings() | {"python": "3.12"}]
+    cases = [base, *(Case(**v) for v in variants)]
+    assert len({c.id for c in cases}) == len(cases)
+    for a in cases:
+        for b in cases:
+            assert a.matches(b.settings()) == (a == b)
+    assert f"-data_order_{other_order}" in cases[1].id and "-python_3.12" in cases[4].id
+    # dp's id names only what dp uses: the fleet's settings are no part of it
+    assert parse_case("dp:overlap=1:codec=fp32:hand_over_momentum=on").id == "dp"
+    # a case for another interpreter is refused, not run on this one's corpus
+    with pytest.raises(ValueError, match=r"Python 3\.12"):
+        run_case(cases[4])
+
+
+def test_a_result_saved_before_the_identity_was_recorded_is_never_reused(tmp_path, capsys) -> None:
+    """The study's own results (docs/results/quality) hold no data order, eval set record or Python
+    version. Laid where today's case of the same training settings would be, one is refused, not
+    taken for it; reindexing names it by what it was (Python unknown), leaving its content, and
+    today's case is then due to run."""
+    import pathlib
+    import shutil
+
+    legacy = pathlib.Path(__file__).parents[2] / "docs/results/quality/decoupled-inner_lr_0.0045-overlap_1.json"
+    saved = json.loads(legacy.read_text())
+    assert not {"data_order", "python", "apply_at", "final_eval"} & set(saved) and saved["eval_batches"] == 32
+    # today's case of exactly the settings it holds
+    same = parse_case("decoupled:inner_lr=4.5e-3:overlap=1:apply_at=tau:hand_over_momentum=on:"
+                      "data_order=contiguous:eval_batches=32")
+    assert not same.matches(saved)
+    for case in (same, parse_case("decoupled")):
+        target = tmp_path / f"{case.id}.json"
+        shutil.copy(legacy, target)
+        with pytest.raises(ResultsError, match="other settings"):
+            Results(tmp_path).get(case)
+        moved = Results(tmp_path).reindex()
+        assert len(moved) == 1 and moved[0][0] == target and "python_unknown" in moved[0][1].name
+        assert moved[0][1].read_bytes() == legacy.read_bytes()
+        assert Results(tmp_path).get(case) is None
+        assert main(["quality", "--cases", "decoupled", "--list", "--out", str(tmp_path)]) == 0
+        assert f"{parse_case('decoupled').id} " in capsys.readouterr().out
+        moved[0][1].unlink()
+
+
+def test_the_final_evaluation_reads_the_whole_held_out_split() -> None:
+    """A case's final loss is over every window of the eval split once (by default), and the
+    result says so; its curve points read the periodic evaluations' 8 spaced batches."""
+    from ddiloco.training.data import DataConfig, load_corpus
+
+    eval_tokens = len(load_corpus(DataConfig()).eval)
+    windows = (eval_tokens - 1) // 128
+    r = run_case(parse_case("dp", steps=2, curve_points=0))
+    assert r["final_eval"] == {"split": "all", "batches": -(-windows // 16), "batch_size": 16, "windows": windows,
+                               "tokens": windows * 128, "split_tokens": eval_tokens}
+    assert r["eval_batches"] == 0 and r["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert r["python_version"].startswith(r["python"]) and r["data_order"] in ("shuffled", "contiguous")
+    assert r["curve_eval"] == {"split": "spaced", "batches": 8}
+    assert math.isfinite(r["final_eval_loss"])

@@ -17,6 +17,12 @@ Decisions:
   The last point is the final evaluation (on ``final_batches``), marked ``"final": true``. In
   between, one point every ``every_s``; a point whose fetch fails (the synchronizer restarting
   under chaos) is skipped.
+- **The final evaluation scores the whole held-out split; the periodic ones a sample.** The
+  final loss is the number runs and modes are compared by, so it reads every window of
+  ``context`` tokens of the eval split once (``held_out`` with 0 batches: 150 batches of 16 for the
+  default corpus); the points in between read ``train.eval_batches`` evenly spaced windows, as
+  the learners' own evaluations do, to spare the CPU the learners train on. Batches of the
+  whole split are made as they are evaluated, so a large eval file is never held in memory.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import json
 import pathlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddiloco.fragments.outer_gradient import scatter
@@ -39,6 +46,7 @@ from ddiloco.learner.config import load_learner_config
 from ddiloco.protocol.client import fetch_state
 from ddiloco.protocol.shards import synchronizer_targets
 from ddiloco.training.data import eval_batches, load_corpus
+from ddiloco.training.data.sequences import TokenSequence, as_token_sequence
 from ddiloco.training.inner_loop import evaluate
 from ddiloco.training.model import build_model
 
@@ -46,19 +54,94 @@ CURVE_FILE = "global_eval.jsonl"
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
+WHOLE_SPLIT = 0
+"""``batches`` of ``held_out`` (and ``run.final_eval_batches``) that asks for the whole split."""
+
+
+class HeldOut:
+    """Fixed evaluation batches of the held-out split, and a record of what they cover.
+
+    ``batches == 0`` (``WHOLE_SPLIT``): the whole split in order, as consecutive windows of
+    ``context + 1`` tokens starting every ``context`` tokens, so each target token is scored once
+    (the inputs of one window end where the next one's start; windows never overlap in what
+    they score). The last ``(len - 1) mod context`` targets, less than one window, are left out;
+    the last batch may hold fewer than ``batch_size`` windows (the loss is a mean over tokens, so
+    it weighs nothing differently). Batches are made as they are read.
+
+    ``batches == N``: ``eval_batches``' N batches of evenly spaced windows (what the learners'
+    periodic evaluations and the earlier final evaluation read), made once.
+
+    Both are deterministic: the same split, batch size and context give the same batches.
+    """
+
+    def __init__(self, eval_tokens: np.ndarray | TokenSequence, batch_size: int, context: int,
+                 batches: int = WHOLE_SPLIT) -> None:
+        if batches < 0:
+            raise ValueError(f"batches must be >= 0 (0: the whole split), got {batches}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.tokens_in_split = len(eval_tokens)
+        self.batch_size, self.context = batch_size, context
+        if batches:
+            self._fixed: Batches | None = eval_batches(eval_tokens, batch_size, context, batches)
+            self.windows = batches * batch_size
+            self.split = "spaced"
+            return
+        if self.tokens_in_split < context + 1:
+            raise ValueError(f"eval split has {self.tokens_in_split} tokens, fewer than context + 1 = {context + 1}")
+        self._fixed = None
+        self._tokens = as_token_sequence(eval_tokens)
+        self.windows = (self.tokens_in_split - 1) // context
+        self.split = "all"
+
+    def __len__(self) -> int:
+        return len(self._fixed) if self._fixed is not None else -(-self.windows // self.batch_size)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fixed is not None:
+            return self._fixed[i]
+        if not 0 <= i < len(self):
+            raise IndexError(f"batch {i} out of range for {len(self)} batches")
+        first = i * self.batch_size
+        starts = np.arange(first, min(first + self.batch_size, self.windows), dtype=np.int64) * self.context
+        index = starts[:, None] + np.arange(self.context + 1, dtype=np.int64)
+        windows = torch.from_numpy(self._tokens.take(index).astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def scored_tokens(self) -> int:
+        """Target tokens one evaluation scores."""
+        return self.windows * self.context
+
+    def describe(self) -> dict[str, Any]:
+        """What a result records of its evaluation set: ``split`` "all" (the whole held-out split
+        once) or "spaced" (evenly spaced windows), batches, windows, the target tokens scored and
+        the split's size."""
+        return {"split": self.split, "batches": len(self), "batch_size": self.batch_size, "windows": self.windows,
+                "tokens": self.scored_tokens, "split_tokens": self.tokens_in_split}
+
+
+def held_out(eval_tokens: np.ndarray | TokenSequence, batch_size: int, context: int,
+             batches: int = WHOLE_SPLIT) -> HeldOut:
+    """The final evaluation's batches: the whole split (``batches`` 0) or N evenly spaced (``HeldOut``)."""
+    return HeldOut(eval_tokens, batch_size, context, batches)
+
 
 class GlobalModelEval:
     """Evaluates the global model on the held-out split: the genesis model locally, later
     versions fetched from a synchronizer."""
 
-    def __init__(self, doc_path: pathlib.Path, *, batches: int, final_batches: int) -> None:
+    def __init__(self, doc_path: pathlib.Path, *, batches: int, final_batches: int = WHOLE_SPLIT) -> None:
         self.cfg = cfg = load_learner_config(str(doc_path), learner_id="evaluator")
         self.model = build_model(cfg.model, cfg.train.seed)
         self.params = dict(self.model.named_parameters())
         self.layout = partition_tensors(list(self.params.items()), cfg.protocol.num_fragments)
         corpus = load_corpus(cfg.data)
         self.batches = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, batches)
-        self.final_batches = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, final_batches)
+        self.final_batches = held_out(corpus.eval, cfg.data.batch_size, cfg.data.context, final_batches)
         self._genesis = {name: p.detach().clone() for name, p in self.params.items()}
 
     def genesis(self) -> tuple[float, dict[int, int]]:
@@ -89,7 +172,7 @@ class GlobalModelEval:
             scatter(self.layout[transfer.header.fragment_id], decode_fragment(transfer, self.layout), self.params)
             versions[transfer.header.fragment_id] = transfer.header.version
         batches = self.final_batches if final else self.batches
-        return evaluate(self.model, batches, torch.device("cpu")), versions
+        return evaluate(self.model, batches, torch.device("cpu")), versions  # type: ignore[arg-type]
 
 
 class EvalCurve:

@@ -5,7 +5,10 @@ uses, share one resolved config file in the run folder. The orchestrator only wa
 the learners' event logs for the progress bar, asks the synchronizer for its status, and at the
 end fetches the global model over gRPC to evaluate it. ``--mode dp`` is the data-parallel
 reference instead: one process training one model on the combined batch for the same number of
-steps (the same tokens).
+steps (the same tokens), at its own tuned learning rate and warm-up (``run_config.DP_TUNED``)
+unless the config file sets ``train.lr`` / ``train.warmup_steps``. Every mode's final evaluation
+scores the whole held-out split (``run.final_eval_batches: 0``); ``summary.json`` records the set
+(``final_eval``) and the learning rate each run trained at and why (``train``).
 
 The run folder holds ``config.yaml``, ``summary.json``, ``synchronizer.jsonl`` (synchronizer;
 ``synchronizer-<s>.jsonl`` per shard),
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import json
 import pathlib
+import platform
 import signal
 import sys
 import time
@@ -26,10 +30,11 @@ from typing import Any
 import yaml
 
 from ddiloco.core import events as schema
+from ddiloco.core.config import read_document
 from ddiloco.lab.chaos import FaultPlan
 from ddiloco.lab.event_logs import Tail
 from ddiloco.lab.procs import exit_on_sigterm
-from ddiloco.lab.run_config import RUN_MODES, resolve, validate
+from ddiloco.lab.run_config import DEFAULT, FROM_CONFIG, RUN_MODES, TUNED, resolve, train_sources, validate
 
 
 def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
@@ -104,14 +109,15 @@ def run_distributed(doc: dict[str, Any], out: pathlib.Path, show_progress: bool,
         failed = {lid: cluster.procs[lid].returncode for lid in cluster.learners()
                   if cluster.procs[lid].returncode not in (0, -signal.SIGKILL)}
         final = curve.finish(trained[0])
+        final_eval = curve.evaluator.final_batches.describe()
         status = _status(cluster.target)
         faults = cluster.driver.injected if cluster.driver is not None else []
     finally:
         curve.stop()
         cluster.stop_all()
     wall = time.time() - started
-    return {"final_eval_loss": final, "wall_s": wall, "failed_learners": failed, "status": status,
-            "faults_injected": faults, "chaos_started_t": chaos_started_t}
+    return {"final_eval_loss": final, "final_eval": final_eval, "wall_s": wall, "failed_learners": failed,
+            "status": status, "faults_injected": faults, "chaos_started_t": chaos_started_t}
 
 
 def _status(target: str) -> dict[str, Any]:
@@ -133,6 +139,38 @@ def _status(target: str) -> dict[str, Any]:
     if len(replies) > 1:
         status["shards"] = replies
     return status
+
+
+def train_record(doc: dict[str, Any], sources: dict[str, str]) -> dict[str, Any]:
+    """The inner learning rate and warm-up a run trains at, and where each came from
+    (``run_config.train_sources``): the config file (``config``), dp's tuned default (``dp tuned
+    default``) or the learners' (``default``)."""
+    from ddiloco.learner.config import learner_config
+
+    train = learner_config(doc, synchronizer="127.0.0.1:1", learner_id="x").train
+    return {"lr": train.lr, "lr_from": sources["lr"], "warmup_steps": train.warmup_steps,
+            "warmup_steps_from": sources["warmup_steps"]}
+
+
+def describe_train(mode: str, train: dict[str, Any]) -> str:
+    """One line saying what learning rate a run trains at and why."""
+    from ddiloco.lab.run_config import DP_TUNED
+    from ddiloco.training.config import TrainConfig
+
+    def why(key: str, tuned: Any) -> str:
+        source = train[f"{key}_from"]
+        if source == TUNED:
+            return "dp's tuned default, docs/quality.md sections 1 and 6"
+        if source == FROM_CONFIG:
+            return "the config file's" + (f"; dp's tuned default is {tuned}" if mode == "dp" else "")
+        return "the default" if source == DEFAULT else source
+
+    learners = TrainConfig()
+    line = (f"{mode} trains at lr {train['lr']:g} ({why('lr', f'{DP_TUNED.lr:g}')}), warm-up "
+            f"{train['warmup_steps']} steps ({why('warmup_steps', DP_TUNED.warmup_steps)})")
+    if mode == "dp":
+        line += f"; the learners' modes default to lr {learners.lr:g}, warm-up {learners.warmup_steps}"
+    return line
 
 
 def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +218,11 @@ def summarize(doc: dict[str, Any], out: pathlib.Path, result: dict[str, Any]) ->
         "tokens": tokens,
         "merges": sum(1 for e in merge_log if e.get("event") == schema.MERGE),
         "final_eval_loss": result["final_eval_loss"],
+        # what the final loss was measured on: the whole held-out split ("all") or a sample
+        "final_eval": result.get("final_eval"),
+        "train": result.get("train"),
+        "data_order": getattr(data_cfg, "order", "contiguous"),
+        "python": platform.python_version(),
         "unigram_baseline_loss": unigram_entropy(load_corpus(data_cfg).eval),
         "global_eval": [[t, loss] for t, loss in read_curve(out)],
         "learner_goodput": fleet.get("learner_goodput"),
@@ -226,7 +269,22 @@ def load_baseline(run_dir: str, doc: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"--baseline: {path} is not comparable: {detail}")
     if summary.get("faults_injected"):
         raise ValueError(f"--baseline: {path} had faults injected; a baseline must be a no-fault run")
+    theirs, ours = eval_set(summary.get("final_eval")), eval_set(int(run["final_eval_batches"]))
+    if theirs != ours:
+        raise ValueError(f"--baseline: {path} measured its final eval loss on {theirs}, this run on {ours}: "
+                         "not comparable")
     return {"run": str(path.parent), **summary}
+
+
+def eval_set(final_eval: dict[str, Any] | int | None) -> str:
+    """In words, the final evaluation set of a summary's ``final_eval`` (or of ``final_eval_batches``):
+    a summary from before it was recorded measured an unknown one (32 spaced batches by default)."""
+    if isinstance(final_eval, int):
+        return "the whole held-out split" if final_eval == 0 else f"{final_eval} evenly spaced batches"
+    if not isinstance(final_eval, dict):
+        return "a set it did not record (a run from before the whole split was the default)"
+    return "the whole held-out split" if final_eval.get("split") == "all" else \
+        f"{final_eval.get('batches')} evenly spaced batches"
 
 
 def add_baseline(summary: dict[str, Any], baseline: dict[str, Any]) -> None:
@@ -264,8 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     configure(json=True)
     exit_on_sigterm()
     try:
-        run_cfg, doc = resolve(args)
+        file_doc = read_document(args.config)
+        run_cfg, doc = resolve(args, file_doc)
         validate(doc)
+        sources = train_sources(file_doc, run_cfg.mode)
         plan = None
         if args.chaos:
             if run_cfg.mode == "dp":
@@ -289,10 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     configure(json=True, file=run_log)
     from ddiloco.lab.dp import run_dp
 
+    train = train_record(doc, sources)
+    print(f"ddiloco run: {describe_train(mode, train)}", file=sys.stderr)
+    from ddiloco.core.logs import get_logger
+
+    get_logger("ddiloco.run").info("train_settings", mode=mode, **train)
     if mode == "dp":
         result = run_dp(doc, out, show_progress=show)
     else:
         result = run_distributed(doc, out, show_progress=show, plan=plan)
+    result["train"] = train
     summary = summarize(doc, out, result)
     if args.baseline == "auto":
         base_out = out / "baseline"
@@ -301,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddiloco run: no-fault baseline run in {base_out}", file=sys.stderr)
         base_result = (run_dp(doc, base_out, show_progress=show) if mode == "dp"
                        else run_distributed(doc, base_out, show_progress=show, plan=None))
+        base_result["train"] = train
         base_summary = summarize(doc, base_out, base_result)
         (base_out / "summary.json").write_text(json.dumps(base_summary, indent=2))
         baseline = {"run": str(base_out), **base_summary}
@@ -317,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     head = {k: summary[k] for k in ("mode", "learners", "steps", "tokens", "merges", "final_eval_loss",
                                     "unigram_baseline_loss", "learner_goodput", "global_downtime_s",
                                     "max_merge_gap_s", "rejected_contributions", "wall_s")}
+    head["final_eval"] = {k: (summary["final_eval"] or {}).get(k) for k in ("split", "batches", "tokens")}
+    head["lr"] = summary["train"]["lr"]
     rounds = summary.get("rounds") or {}
     if rounds.get("merges"):
         head["rounds"] = {k: rounds[k] for k in ("participation_mean", "stale_share", "max_merge_wait_s")}

@@ -33,8 +33,12 @@ class RunConfig:
     """decoupled, streaming, diloco, or dp (the data-parallel reference: one process)."""
     seed: int = 0
     """Seeds the model's initialisation and the data order (every learner's shard stream)."""
-    final_eval_batches: int = 32
-    """Held-out batches of the final evaluation of the global model."""
+    final_eval_batches: int = 0
+    """Held-out batches of the final evaluation of the global model (dp: of its model). 0 (the
+    default): the whole held-out split, every window of ``context`` tokens once
+    (``global_eval.held_out``), so every mode's final loss is measured on the same tokens; N: N
+    batches of evenly spaced windows, as the learners' periodic evaluations (a quick look, or an
+    eval split too large to score whole). The periodic evaluations stay ``train.eval_batches``."""
     global_eval_every_s: float = 20.0
     """Evaluate the global model this often while the run trains (0: only at genesis and the end)."""
     chaos_horizon_s: float = 300.0
@@ -51,8 +55,9 @@ class RunConfig:
             raise ValueError("learners and steps must be >= 1")
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
-        if self.final_eval_batches < 1:
-            raise ValueError(f"final_eval_batches must be >= 1, got {self.final_eval_batches}")
+        if self.final_eval_batches < 0:
+            raise ValueError(f"final_eval_batches must be >= 0 (0: the whole held-out split), got "
+                             f"{self.final_eval_batches}")
         if self.global_eval_every_s < 0:
             raise ValueError(f"global_eval_every_s must be >= 0 (0: off), got {self.global_eval_every_s}")
         if self.chaos_horizon_s <= 0:
@@ -72,6 +77,47 @@ DEFAULTS: dict[str, Any] = {
     "train": {"eval_every": 0, "eval_batches": 8},
     # The synchronizer's own defaults: quorum 1 plus the adaptive grace window, as deployed.
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpTuned:
+    """The data-parallel reference's own inner optimizer settings, what ``ddiloco run --mode dp``
+    trains with unless the config file sets ``train.lr`` / ``train.warmup_steps`` itself.
+
+    ``dp`` trains on the combined batch of every learner (3 x 16 sequences by default), and the
+    learners' inner learning rate (``TrainConfig.lr``, 4.5e-3, tuned for a learner's batch of 16
+    between outer steps) is not its optimum. From docs/quality.md (the quality study, 3 x 600
+    steps of the default model and corpus):
+
+    - section 1: dp's inner lr swept over 1.5e-3 .. 1.2e-2 at warm-up 30, seed 0: best at 6e-3
+      (1.6282; 4.5e-3: 1.6377, 9e-3: 1.9125);
+    - section 6: at 6e-3 the 60-step warm-up gains dp 2.8% (1.6282 -> 1.5823, a real ``ddiloco run
+      --mode dp``, seed 0; seed 1: 1.5911); at warm-up 60 its optimum is flat from 6e-3 to 9e-3
+      (1.5830 / 1.5820), and warm-up 120 gains nothing (1.5831).
+
+    So "tuned dp" of every gap the study quotes is inner lr 6e-3 with warm-up 60 (the same as the
+    learners' warm-up today, kept here so that a change of theirs does not move dp's)."""
+
+    lr: float = 6e-3
+    """Peak inner learning rate (AdamW, then the learners' cosine to ``min_lr_ratio``)."""
+    warmup_steps: int = 60
+    """Linear warm-up steps."""
+
+
+DP_TUNED = DpTuned()
+"""The settings ``--mode dp`` ships with (see ``DpTuned``)."""
+
+TUNED, FROM_CONFIG, DEFAULT = "dp tuned default", "config", "default"
+"""Where a run's inner learning rate (or warm-up) came from (``train_sources``)."""
+
+
+def train_sources(file_doc: dict[str, Any], mode: str) -> dict[str, str]:
+    """For ``train.lr`` and ``train.warmup_steps``: whether the config file set it (``config``,
+    it wins), or, unset, dp's tuned default (``--mode dp``) or the learners' default."""
+    train = file_doc.get("train") if isinstance(file_doc, dict) else None
+    given = train if isinstance(train, dict) else {}
+    return {key: FROM_CONFIG if key in given else TUNED if mode == "dp" else DEFAULT
+            for key in ("lr", "warmup_steps")}
 
 
 def merge_documents(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +157,10 @@ def resolve(args: argparse.Namespace, file_doc: dict[str, Any] | None = None) ->
     doc["train"]["seed"] = run.seed
     doc["data"]["seed"] = run.seed
     doc["protocol"]["mode"] = "decoupled" if run.mode == "dp" else run.mode
+    if run.mode == "dp":  # dp's own tuned settings, unless the file sets them (flags set neither)
+        for key, source in train_sources(file_doc, run.mode).items():
+            if source == TUNED:
+                doc["train"][key] = getattr(DP_TUNED, key)
     if run.mode in ("streaming", "diloco") and isinstance(doc["synchronizer"], dict):
         # every merge waits for every live learner: the run's learners start their rounds together
         doc["synchronizer"].setdefault("start_learners", run.learners)

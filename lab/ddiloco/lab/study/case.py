@@ -6,14 +6,20 @@ Decisions:
   in field order (``decoupled-h12-p12-codec_int4_block``), so a result file names what it
   measured, two sweeps that ask for the same case share one result, and changing a default
   never silently reuses a result computed under the old one (the file holds every setting, and
-  ``matches`` compares them all).
-- **The defaults are the system's defaults of the study's stages** (learner, protocol,
-  synchronizer and the local run's data settings), so ``decoupled`` with no settings is what
-  ``ddiloco run`` trained when they ran. The system has since taken inner lr 4.5e-3 and applies
-  merges on arrival (``learner.apply_at``, which the reference does not model) and steps the
-  last merges of hand-overs without momentum: today's default is the case
-  ``decoupled:inner_lr=4.5e-3:overlap=1:hand_over_momentum=off``. The case defaults stay, so
-  every result keeps its name.
+  ``matches`` compares them all). Settings a mode does not use (dp's fragments, codecs, outer
+  optimizer...) are no part of its id nor of what ``matches`` compares.
+- **What is measured, and on what, is part of the case.** The data order (``data_order``,
+  ``DataConfig.order``), the final evaluation's set (``eval_batches``: 0, the whole held-out
+  split) and the Python version (``python``: the ``stdlib`` corpus is the interpreter's own
+  library) are settings like the others, recorded in every result. A result saved before one of
+  them existed is read with the value it ran with (``ADDED``); its Python version is not known
+  (``"unknown"``), so it is never taken for a result of today's cases.
+- **The defaults are what ``ddiloco run`` ships** (``product_settings``: the learner, protocol,
+  synchronizer, training and run defaults; for ``dp`` its tuned settings, ``run_config.DP_TUNED``),
+  so ``decoupled`` with no settings is what ``ddiloco run`` trains; a test fails when they drift
+  apart. The reference has no clock, so ``apply_at: arrival`` (the learners' default in decoupled
+  mode) applies each merge one step after its send, the earliest a learner does. The sweeps of
+  earlier stages name the defaults they ran around (``sweeps``), so they stay the cases that ran.
 - **Data sharding is a setting.** ``shards: 0`` gives each learner 1/M of the training data (as
   the data-parallel reference, which samples all of it, and as ``ddiloco run``, which starts its
   learners with ``--num-shards M``); a deployment keeps the learner's ``num_shards`` (8 by
@@ -24,8 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
+
+from ddiloco.lab.run_config import DP_TUNED
+from ddiloco.training.data import DataConfig
 
 MODES = ("dp", "decoupled", "diloco")
 MODELS = ("default", "m5", "moe")
@@ -34,6 +44,23 @@ MERGES = ("rda", "mean")
 SCHEDULES = ("constant", "cosine", "linear")
 ANCHORS = ("point", "delta")
 CODECS = ("fp32", "bf16_zstd", "int8_block", "int4_block", "int2_block")
+APPLY_AT = ("tau", "arrival")
+DATA_ORDERS = ("shuffled", "contiguous")
+
+PYTHON = "3.11"
+"""The interpreter the study's results are computed with (the project's: the Dockerfile's base
+image, mypy's ``python_version``). A case asked for under another one names it (``parse_case``)."""
+UNKNOWN_PYTHON = "unknown"
+"""The Python version of a result saved before results recorded it."""
+
+
+def running_python() -> str:
+    """This interpreter's version as a case names it: major.minor."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+DATA_ORDER: str = getattr(DataConfig(), "order", "contiguous")
+"""The product's data order (``DataConfig.order``'s default; contiguous before it existed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +85,12 @@ class Case:
     """Data shards the training tokens are split into; learner i samples shard i. 0: M (each
     learner 1/M of the data, as ``ddiloco run``); 8: the learners' default num_shards, as a
     deployment that leaves it alone."""
-    inner_lr: float = 3e-3
-    """Peak AdamW learning rate (warm-up, then cosine to ``min_lr_ratio`` of it)."""
+    data_order: str = DATA_ORDER
+    """How the train files are laid out before they are cut into shards (``DataConfig.order``):
+    shuffled by the seed, or contiguous (sorted by path; every result before the setting)."""
+    inner_lr: float = 4.5e-3
+    """Peak AdamW learning rate (warm-up, then cosine to ``min_lr_ratio`` of it); the learners'
+    ``train.lr`` (dp: ``DP_TUNED.lr``, its own)."""
     warmup_steps: int = 60
     """Linear warm-up steps of the inner schedule."""
     min_lr_ratio: float = 0.1
@@ -70,6 +101,11 @@ class Case:
     """H: steps between two syncs of one fragment."""
     overlap: int = 2
     """tau: steps between sending a fragment and applying its merge (diloco: 0)."""
+    apply_at: str = "arrival"
+    """When a learner applies the merge of its contribution (``learner.apply_at``): ``tau`` steps
+    after the send, or on ``arrival`` (decoupled's default), which the reference, where every
+    merge comes back at once, makes one step after the send (the earliest a learner applies it).
+    diloco: tau."""
     codec: str = "bf16_zstd"
     """Codec of the learners' outer gradients (with error feedback when lossy)."""
     error_feedback: bool = True
@@ -86,10 +122,10 @@ class Case:
     """End of the outer decay as a share of ``outer_lr``."""
     momentum_warmup: int = 8
     """Outer steps (per fragment) over which the momentum ramps linearly from 0."""
-    hand_over_momentum: bool = True
+    hand_over_momentum: bool = False
     """Whether the last merge of each fragment, made of the learners' hand-overs at the end of
-    training, takes the outer momentum (the synchronizer's ``hand_over_momentum``; off is its
-    default today, on what every stage before it ran)."""
+    training, takes the outer momentum (the synchronizer's ``hand_over_momentum``; on is what
+    every stage before it ran)."""
     merge: str = "rda"
     """Per-tensor merge: rda or mean."""
     token_weights: bool = True
@@ -104,10 +140,16 @@ class Case:
     anchor: str = "point"
     """How a late contribution joins: point (re-anchored to the current version, the
     synchronizer's default) or delta (applied as is)."""
-    eval_batches: int = 32
-    """Held-out batches of the final evaluation (as ``ddiloco run``)."""
+    eval_batches: int = 0
+    """The final evaluation's set, as ``ddiloco run``'s ``final_eval_batches``: 0, the whole
+    held-out split (every window of 128 tokens once); N, N batches of evenly spaced windows (32:
+    every result before the whole split was the default)."""
     curve_points: int = 6
-    """Evaluations of the global model during the run (8 batches each), for the loss curves."""
+    """Evaluations of the global model during the run (8 evenly spaced batches each, as the
+    learners' periodic evaluations), for the loss curves."""
+    python: str = PYTHON
+    """Python major.minor the case runs under: the ``stdlib`` corpus is its library, so another
+    version trains and evaluates on other tokens."""
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES)
@@ -118,15 +160,25 @@ class Case:
         _one_of("anchor", self.anchor, ANCHORS)
         _one_of("codec", self.codec, CODECS)
         _one_of("global_codec", self.global_codec, CODECS)
-        for name in ("learners", "steps", "batch_size", "fragments", "sync_every", "eval_batches"):
+        _one_of("apply_at", self.apply_at, APPLY_AT)
+        _one_of("data_order", self.data_order, DATA_ORDERS)
+        for name in ("learners", "steps", "batch_size", "fragments", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_batches < 0:
+            raise ValueError(f"eval_batches must be >= 0 (0: the whole held-out split), got {self.eval_batches}")
+        if not self.python:
+            raise ValueError("python must name a version (major.minor)")
         if self.shards < 0 or (self.shards and self.shards < self.learners):
             raise ValueError(f"shards must be 0 (one per learner) or >= learners ({self.learners}), got {self.shards}")
         if not 0 <= self.overlap < self.sync_every:
             raise ValueError(f"overlap must satisfy 0 <= tau < H, got tau={self.overlap}, H={self.sync_every}")
         if self.mode == "diloco" and (self.fragments != 1 or self.overlap != 0):
             raise ValueError("diloco mode has one fragment and no overlap (fragments=1, overlap=0)")
+        if self.mode == "diloco" and self.apply_at != "tau":
+            raise ValueError("diloco mode applies merges at tau: its learners wait for them (apply_at=tau)")
+        if self.apply_at == "arrival" and self.sync_every < 2:
+            raise ValueError("apply_at=arrival applies a merge one step after the send: it needs sync_every >= 2")
         for name in ("inner_lr", "outer_lr"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -142,14 +194,19 @@ class Case:
 
     @property
     def id(self) -> str:
-        """The mode and the settings that differ from the defaults, in field order."""
+        """The mode and the settings that differ from the defaults, in field order (only those
+        the mode uses)."""
         parts = [self.mode]
         defaults = DEFAULTS[self.mode]
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name != "mode" and value != getattr(defaults, f.name):
-                parts.append(f"{f.name}_{_short(value)}")
+        for name in self.used():
+            value = getattr(self, name)
+            if name != "mode" and value != getattr(defaults, name):
+                parts.append(f"{name}_{_short(value)}")
         return "-".join(parts)
+
+    def used(self) -> list[str]:
+        """The settings this case's mode uses, in field order (dp: none of the fleet's)."""
+        return [f.name for f in fields(self) if not (self.mode == "dp" and f.name in FLEET_ONLY)]
 
     @property
     def tokens(self) -> int:
@@ -165,11 +222,13 @@ class Case:
 
     def matches(self, saved: dict[str, Any]) -> bool:
         """Whether a saved result was computed with exactly these settings (a setting added after
-        it ran had, then, the value its default keeps: ``ADDED``)."""
+        it ran had, then, the value ``ADDED`` gives; its Python version is unknown, so a result
+        saved before results recorded it matches no case)."""
         try:
-            return saved_settings(saved) == self.settings()
+            theirs, mine = saved_settings(saved), self.settings()
         except KeyError:
             return False
+        return all(theirs[name] == mine[name] for name in self.used())
 
 
 CONTEXT = 128
@@ -189,9 +248,16 @@ def _short(value: Any) -> str:
     return str(value)
 
 
-ADDED: dict[str, Any] = {"hand_over_momentum": True}
-"""Settings added after results were saved, with the value every earlier result ran with."""
+FLEET_ONLY = frozenset({"shards", "fragments", "sync_every", "overlap", "apply_at", "codec", "error_feedback",
+                        "global_codec", "outer_lr", "outer_momentum", "outer_schedule", "outer_lr_min",
+                        "momentum_warmup", "hand_over_momentum", "merge", "token_weights", "apply", "mix_alpha",
+                        "late", "anchor"})
+"""Settings of the fleet and its synchronizer: dp (one model, sampling all the data) uses none."""
 
+ADDED: dict[str, Any] = {"hand_over_momentum": True, "apply_at": "tau", "data_order": "contiguous",
+                         "python": UNKNOWN_PYTHON}
+"""Settings added after results were saved, with the value every earlier result ran with (the
+Python version they ran under was not recorded)."""
 
 
 def saved_settings(saved: dict[str, Any]) -> dict[str, Any]:
@@ -200,19 +266,71 @@ def saved_settings(saved: dict[str, Any]) -> dict[str, Any]:
     return {f.name: saved.get(f.name, ADDED[f.name]) if f.name in ADDED else saved[f.name] for f in fields(Case)}
 
 
-DEFAULTS = {"dp": Case(mode="dp", momentum_warmup=0), "decoupled": Case(),
-            "diloco": Case(mode="diloco", fragments=1, overlap=0)}
+DEFAULTS = {"dp": Case(mode="dp", inner_lr=DP_TUNED.lr, warmup_steps=DP_TUNED.warmup_steps), "decoupled": Case(),
+            "diloco": Case(mode="diloco", fragments=1, overlap=0, apply_at="tau")}
+"""Each mode's case of the product's defaults (``product_settings`` says where each comes from)."""
+
+
+def product_settings(mode: str) -> dict[str, Any]:
+    """The settings ``ddiloco run --mode MODE`` (no config file) trains with, as a case's: read from
+    the run's resolved config document through the learner's and the synchronizer's own config
+    classes, so a default changed anywhere shows here. The study's own settings (``curve_points``,
+    ``late``, ``python``) are today's case defaults; ``outer_schedule`` and ``token_weights`` have
+    no setting in the product (a constant outer lr, token weights always)."""
+    import argparse
+
+    from ddiloco.lab.run_config import resolve
+    from ddiloco.learner.config import learner_config
+    from ddiloco.synchronizer.config import synchronizer_config
+
+    args = argparse.Namespace(config=None, learners=None, steps=None, mode=mode, seed=None, shards=None,
+                              learner_speed=None)
+    run, doc = resolve(args, {})
+    learner = learner_config(doc, synchronizer="127.0.0.1:1", learner_id="learner-0")
+    sync = synchronizer_config(doc, shard_index=0, shard_count=1)
+    train, data = learner.train, learner.data
+    base = Case()
+    return {
+        "mode": mode, "learners": run.learners, "steps": run.steps, "seed": run.seed,
+        "model": next((name for name, extra in _models().items()
+                       if _model_config(data.context, extra) == learner.model), "other"),
+        "batch_size": data.batch_size,
+        "shards": 0,  # ddiloco run starts its learners with --num-shards M: 1/M of the data each
+        "data_order": getattr(data, "order", "contiguous"),
+        "inner_lr": train.lr, "warmup_steps": train.warmup_steps, "min_lr_ratio": train.min_lr_ratio,
+        "fragments": learner.protocol.num_fragments, "sync_every": learner.protocol.sync_every,
+        "overlap": learner.protocol.overlap, "apply_at": "arrival" if learner.applies_on_arrival else "tau",
+        "codec": learner.codec, "error_feedback": learner.error_feedback, "global_codec": learner.protocol.global_codec,
+        "outer_lr": sync.outer_lr, "outer_momentum": sync.outer_momentum, "outer_schedule": "constant",
+        "outer_lr_min": base.outer_lr_min, "momentum_warmup": sync.outer_momentum_warmup,
+        "hand_over_momentum": sync.hand_over_momentum, "merge": sync.merge_method, "token_weights": True,
+        "apply": learner.apply_policy, "mix_alpha": learner.mix_alpha, "late": base.late,
+        "anchor": sync.stale_anchor, "eval_batches": run.final_eval_batches, "curve_points": base.curve_points,
+        "python": base.python,
+    }
+
+
+def _models() -> dict[str, dict[str, Any]]:
+    from ddiloco.lab.study.reference import MODELS
+
+    return MODELS
+
+
+def _model_config(context: int, extra: dict[str, Any]) -> Any:
+    from ddiloco.training.model import ModelConfig
+
+    return ModelConfig(context=context, **extra)
 
 
 def parse_case(spec: str, **base: Any) -> Case:
     """A case from ``MODE[:key=value...]`` (e.g. ``decoupled:sync_every=12:fragments=12``), over
-    ``base`` settings (e.g. ``steps``), over the mode's defaults. Unknown keys and bad values are
-    refused with the known keys named."""
+    ``base`` settings (e.g. ``steps``), over the mode's defaults and this interpreter's Python
+    version. Unknown keys and bad values are refused with the known keys named."""
     mode, *opts = spec.strip().split(":")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} in case {spec!r}; known: {', '.join(MODES)}")
     kinds = {f.name: type(getattr(DEFAULTS[mode], f.name)) for f in fields(Case)}
-    settings: dict[str, Any] = {**DEFAULTS[mode].settings(), **base, "mode": mode}
+    settings: dict[str, Any] = {**DEFAULTS[mode].settings(), "python": running_python(), **base, "mode": mode}
     for opt in opts:
         key, sep, raw = opt.partition("=")
         if not sep or key not in kinds or key == "mode":

@@ -8,7 +8,9 @@
 
 Each case is saved as ``<out>/<id>.json`` when it finishes and skipped when present, so a study
 can be stopped and resumed at any time, and several workers (``--threads 1`` each) may share one
-results folder.
+results folder. A case is named by what differs from the defaults of ``ddiloco run`` (dp: its
+tuned lr and warm-up), its data order, final evaluation set (the whole held-out split) and the
+Python version included, so a result saved under other ones is never taken for it.
 """
 
 from __future__ import annotations
@@ -136,7 +138,12 @@ def _quality(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 print(f"{tag}: another worker runs it", flush=True)
                 continue
             print(f"{tag}: running ({case.tokens / 1e6:.2f}M tokens)", flush=True)
-            result = run_case(case, progress=_progress(tag))
+            try:
+                result = run_case(case, progress=_progress(tag))
+            except ValueError as exc:  # a case this interpreter or corpus cannot run (another Python)
+                print(f"{tag}: {exc}", file=sys.stderr, flush=True)
+                failed += 1
+                continue
             path = results.save(case, result)
             print(f"{tag}: eval {result['final_eval_loss']:.4f}, {result['bytes_per_token']:.1f} B/token, "
                   f"{result['wall_s']:.0f} s -> {path}", flush=True)

@@ -7,8 +7,10 @@ use, so a reference result and a service result differ only in timing:
 
 - inner steps: ``InnerLoop`` (AdamW, warm-up, cosine), the learner's data shards and batches;
 - schedule: ``FragmentSchedule`` (fragment p falls due at ``t mod H == floor(p*H/P)``, its merge
-  is applied ``tau`` steps after sending); the synchronizer asks every learner at the due step,
-  and learners of equal speed all answer at that boundary;
+  is applied ``tau`` steps after sending, or with ``apply_at: arrival`` one step after: every
+  merge comes back at once here, and a learner applies one at the first boundary after it
+  arrived); the synchronizer asks every learner at the due step, and learners of equal speed all
+  answer at that boundary;
 - contribution: ``gather``, ``outer_gradient``, the learner's codec with ``ErrorFeedback``; the
   bytes of every payload are counted;
 - merge: ``token_weights``, ``merge_deltas`` (RDA, embeddings by the mean), ``reanchor`` for a
@@ -18,7 +20,9 @@ use, so a reference result and a service result differ only in timing:
 - the end: each learner hands over the progress since each fragment's last send (re-anchored
   where a merge was still in flight), as ``DecoupledSync.end_training`` does; a merge of
   hand-overs only takes no momentum unless ``hand_over_momentum`` (the synchronizer's rule), and
-  the final global model is evaluated on the run's held-out batches.
+  the final global model is evaluated on the case's held-out set: the whole split by default, as
+  ``ddiloco run``'s final evaluation (``global_eval.held_out``); the curve's points on 8 evenly
+  spaced batches, as the run's periodic ones.
 
 ``dp`` trains one model on the combined batch for the same steps. Its bytes per token are what a
 ring all-reduce of fp32 gradients across M learners would send: ``2 (M-1) N * 4`` bytes a step.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +49,8 @@ from ddiloco.fragments.error_feedback import ErrorFeedback
 from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.lab.study.case import CONTEXT, Case
+from ddiloco.lab.global_eval import held_out
+from ddiloco.lab.study.case import CONTEXT, Case, running_python
 from ddiloco.training.config import TrainConfig
 from ddiloco.training.data import DataConfig, TokenShard, eval_batches, load_corpus, shard_generator
 from ddiloco.training.inner_loop import InnerLoop, evaluate
@@ -56,6 +62,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "moe": {"kind": "moe"},
 }
 CURVE_BATCHES = 8
+"""Evenly spaced held-out batches of each point of a case's curve (``ddiloco run``'s periodic
+evaluations read ``train.eval_batches``, 8, the same way)."""
 STALENESS_WINDOW = 4
 """Versions of each fragment retained for re-anchoring (the synchronizer's default window)."""
 
@@ -66,13 +74,16 @@ def run_case(case: Case, progress: Progress | None = None) -> dict[str, Any]:
     """Train ``case`` and return its result: the case's settings, ``final_eval_loss``, bytes sent
     each way, ``bytes_per_token``, the loss curve and the wall time."""
     started = time.perf_counter()
-    data = DataConfig(batch_size=case.batch_size, context=CONTEXT)
+    if case.python != running_python():
+        raise ValueError(f"case {case.id} is for Python {case.python}; this is {running_python()} (its stdlib "
+                         "corpus is another)")
+    data = data_config(case)
     model_cfg = ModelConfig(context=CONTEXT, **MODELS[case.model])
     train = TrainConfig(steps=case.steps, lr=case.inner_lr, warmup_steps=case.warmup_steps,
                         min_lr_ratio=case.min_lr_ratio, seed=case.seed)
     corpus = load_corpus(data)
-    evals = eval_batches(corpus.eval, data.batch_size, CONTEXT, case.eval_batches)
-    curve_evals = evals[:CURVE_BATCHES]
+    evals = held_out(corpus.eval, data.batch_size, CONTEXT, case.eval_batches)
+    curve_evals = eval_batches(corpus.eval, data.batch_size, CONTEXT, CURVE_BATCHES)
     runner = _DataParallel(case, model_cfg, train, corpus) if case.mode == "dp" else \
         _Fleet(case, model_cfg, train, corpus)
     marks = {round(case.steps * k / case.curve_points) for k in range(1, case.curve_points)} if case.curve_points else set()
@@ -85,17 +96,28 @@ def run_case(case: Case, progress: Progress | None = None) -> dict[str, Any]:
         if progress is not None:
             progress(step, case.steps)
     runner.finish()
-    final = evaluate(runner.global_model(), evals, runner.device)
+    final = evaluate(runner.global_model(), evals, runner.device)  # type: ignore[arg-type]
     curve.append((case.tokens, evaluate(runner.global_model(), curve_evals, runner.device)))
     mean_model = runner.learner_mean_model()
-    learner_mean = None if mean_model is None else evaluate(mean_model, evals, runner.device)
+    learner_mean = None if mean_model is None else evaluate(mean_model, evals, runner.device)  # type: ignore[arg-type]
     up, down = runner.bytes_up, runner.bytes_down
     return {**case.settings(), "id": case.id, "final_eval_loss": final, "learner_mean_eval_loss": learner_mean,
-            "params": runner.params,
+            "final_eval": evals.describe(), "curve_eval": {"split": "spaced", "batches": CURVE_BATCHES},
+            "python_version": platform.python_version(), "params": runner.params,
             "tokens": case.tokens, "bytes_up": up, "bytes_down": down,
             "bytes_per_token": (up + down) / case.tokens, "merges": runner.merges, "stale_rows": runner.stale_rows,
             "curve": curve, "wall_s": time.perf_counter() - started, "torch": torch.__version__,
             "threads": torch.get_num_threads()}
+
+
+def data_config(case: Case) -> DataConfig:
+    """The data section of ``case``: ``ddiloco run``'s (its seed lays out a shuffled corpus)."""
+    settings: dict[str, Any] = {"batch_size": case.batch_size, "context": CONTEXT, "seed": case.seed}
+    if hasattr(DataConfig(), "order"):
+        settings["order"] = case.data_order
+    elif case.data_order != "contiguous":
+        raise ValueError(f"data_order {case.data_order!r}: this version's corpus is laid out contiguously only")
+    return DataConfig(**settings)
 
 
 class _DataParallel:
@@ -153,8 +175,9 @@ class _Fleet:
         self.params = num_params(self.model)
         named = dict(self.model.named_parameters())
         self.layout: FragmentLayout = partition_tensors(list(named.items()), case.fragments)
+        # every merge is back at once: on arrival, a learner applies it one step after the send
         self.schedule = FragmentSchedule(num_fragments=case.fragments, sync_every=case.sync_every,
-                                         overlap=case.overlap)
+                                         overlap=1 if case.apply_at == "arrival" else case.overlap)
         self.segments = [[(s, e) for _, s, e in frag.segments()] for frag in self.layout]
         self.embedding = [embedding_mask(frag) for frag in self.layout]
         genesis = [gather(frag, named) for frag in self.layout]

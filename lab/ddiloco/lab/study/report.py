@@ -1,8 +1,10 @@
 """``ddiloco study report``: the saved results as tables and plots.
 
 Every result is set against the data-parallel reference of the same budget (learners, steps,
-batch, model, seed): the untuned one (the inner learning rate every mode uses by default) and
-the tuned one (the best inner learning rate among the saved ``dp`` cases of that budget). The
+batch, model, seed, data order, and measured the same way: eval set and Python version): the
+untuned one (at the inner learning rate and warm-up of the result itself, as when every mode
+shared one) and the tuned one (the best inner learning rate among the saved ``dp`` cases of that
+budget). The
 report prints markdown tables, writes them to ``<out>/report.md`` with the plots beside them:
 
 - ``frontier.png``: eval-loss gap to tuned dp against bytes per token (log scale), one point a
@@ -25,28 +27,29 @@ from typing import Any
 from ddiloco.lab.study.case import DEFAULTS, Case, saved_settings
 from ddiloco.lab.study.store import Results
 
-BUDGET = ("learners", "steps", "batch_size", "model", "seed", "eval_batches")
-"""What makes two results comparable: the same tokens, model and seed, measured on the same batches."""
+BUDGET = ("learners", "steps", "batch_size", "model", "seed", "data_order", "eval_batches", "python")
+"""What makes two results comparable: the same tokens, model, seed and data layout, measured on the
+same held-out set of the same corpus (the stdlib corpus is the Python version's)."""
 PLOTS = ("frontier.png", "trends.png", "curves.png")
 
 
 def budget(result: dict[str, Any]) -> tuple:
-    return tuple(result[k] for k in BUDGET)
+    settings = saved_settings(result)
+    return tuple(settings[k] for k in BUDGET)
 
 
 def references(results: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """budget -> {"default": dp loss at the default inner lr and warm-up (or None), "tuned": best dp
-    loss over its inner lr and warm-up, "tuned_lr": its inner lr, "tuned_warmup": its warm-up}."""
-    dp = DEFAULTS["dp"]
+    """budget -> {"at": (inner lr, warm-up) -> dp loss there, "tuned": best dp loss over its inner
+    lr and warm-up, "tuned_lr": its inner lr, "tuned_warmup": its warm-up, "lrs": inner lr -> the
+    best loss over the warm-ups}."""
     out: dict[tuple, dict[str, Any]] = {}
     for r in results:
         if r["mode"] != "dp" or not _dp_plain(r):
             continue
-        ref = out.setdefault(budget(r), {"default": None, "tuned": math.inf, "tuned_lr": None, "tuned_warmup": None,
+        ref = out.setdefault(budget(r), {"at": {}, "tuned": math.inf, "tuned_lr": None, "tuned_warmup": None,
                                          "lrs": {}})
         ref["lrs"][r["inner_lr"]] = min(r["final_eval_loss"], ref["lrs"].get(r["inner_lr"], math.inf))
-        if r["inner_lr"] == dp.inner_lr and r["warmup_steps"] == dp.warmup_steps:
-            ref["default"] = r["final_eval_loss"]
+        ref["at"][(r["inner_lr"], r["warmup_steps"])] = r["final_eval_loss"]
         if r["final_eval_loss"] < ref["tuned"]:
             ref["tuned"], ref["tuned_lr"], ref["tuned_warmup"] = r["final_eval_loss"], r["inner_lr"], r["warmup_steps"]
     return out
@@ -56,12 +59,13 @@ def _dp_plain(r: dict[str, Any]) -> bool:
     """A dp case that differs from dp's defaults at most in its budget, inner lr and warm-up (what
     dp is tuned over)."""
     base, settings = DEFAULTS["dp"].settings(), saved_settings(r)
-    return all(settings[k] == v for k, v in base.items()
+    return all(settings[k] == base[k] for k in DEFAULTS["dp"].used()
                if k not in (*BUDGET, "inner_lr", "warmup_steps", "mode", "curve_points"))
 
 
 def annotate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each non-dp result with ``vs_dp`` (untuned) and ``vs_tuned_dp`` added (None without a reference)."""
+    """Each non-dp result with ``vs_dp`` (against dp at the result's own inner lr and warm-up,
+    untuned for its batch) and ``vs_tuned_dp`` added (None without a reference)."""
     refs = references(results)
     out = []
     for r in results:
@@ -69,7 +73,8 @@ def annotate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         ref = refs.get(budget(r))
         r = dict(r)
-        r["vs_dp"] = r["final_eval_loss"] / ref["default"] - 1 if ref and ref["default"] else None
+        same = ref["at"].get((r["inner_lr"], r["warmup_steps"])) if ref else None
+        r["vs_dp"] = r["final_eval_loss"] / same - 1 if same else None
         r["vs_tuned_dp"] = r["final_eval_loss"] / ref["tuned"] - 1 if ref else None
         out.append(r)
     return out
@@ -84,7 +89,8 @@ def _changes(r: dict[str, Any]) -> str:
     keep = saved_settings(r)
     case = Case(**keep)
     parts = [p for p in case.id.split("-")[1:]
-             if not p.startswith(("seed_", "steps_", "learners_", "model_", "eval_batches_", "curve_points_"))]
+             if not p.startswith(("seed_", "steps_", "learners_", "model_", "eval_batches_", "curve_points_",
+                                  "python_"))]
     return ", ".join(parts) or "(defaults)"
 
 
@@ -94,7 +100,7 @@ def tables(results: list[dict[str, Any]]) -> str:
              "| learners | steps | model | seed | " + " | ".join(f"lr {lr:g}" for lr in _all_lrs(refs)) + " | tuned |",
              "|---|---|---|---|" + "---|" * (len(_all_lrs(refs)) + 1)]
     for key, ref in sorted(refs.items()):
-        m, steps, _, model, seed, _ = key
+        m, steps, _, model, seed, *_ = key
         cells = [f"{ref['lrs'][lr]:.4f}" if lr in ref["lrs"] else "" for lr in _all_lrs(refs)]
         lines.append(f"| {m} | {steps} | {model} | {seed} | " + " | ".join(cells) +
                      f" | {ref['tuned']:.4f} (lr {ref['tuned_lr']:g}, warm-up {ref['tuned_warmup']}) |")
@@ -231,7 +237,7 @@ def plot(results: list[dict[str, Any]], folder: pathlib.Path) -> list[pathlib.Pa
             xs, ys = zip(*r["curve"], strict=True)
             ax.plot(xs, ys, label=("tuned dp" if is_tuned_dp else r["mode"]))
     ax.set_xlabel("tokens")
-    ax.set_ylabel("eval loss on the first 8 held-out batches\n(the final eval loss uses 32, so it reads higher)")
+    ax.set_ylabel("eval loss on 8 evenly spaced held-out batches\n(the final eval loss reads the whole split)")
     ax.set_ylim(top=3.0)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()

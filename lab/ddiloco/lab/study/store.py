@@ -10,6 +10,10 @@ Decisions:
   (a killed worker) is taken over, so nothing stays claimed for ever.
 - **A result computed under other settings is never reused**: a file whose settings differ (a
   default changed since) is reported and left alone, not overwritten, until it is moved away.
+  The data order, the final evaluation's set and the Python version are settings too; a result
+  saved before they were recorded reads as Python ``unknown``, so it matches no case that can
+  run (``Case.matches``): reindexing names it by its settings (``...-eval_batches_32-
+  python_unknown``), its content untouched.
 - **Names follow the defaults.** A case's id names only what differs from the defaults, so when a
   default changes, ``reindex`` renames every result to the id its own settings have now (the old
   default's result becomes ``decoupled-warmup_steps_30...``, freeing ``decoupled.json`` for the

@@ -9,9 +9,28 @@ each sweep found and the command behind each table.
 The first stages ran around the defaults of their time: an inner warm-up of 30 steps and no
 outer momentum warm-up (``STAGE1``). What they found (60 steps, 8 outer steps) became the
 defaults, so their cases name those two settings, which keeps them the cases that were run.
+Every stage here ran before the later defaults too (inner lr 3e-3 for every mode, merges applied
+at tau, hand-overs stepped with the momentum, train files laid out contiguously): ``BEFORE``
+names them in each of these cases (``then``). What they do not name is the measurement: a sweep
+run again evaluates on today's set (the whole held-out split). ``shipped`` is the modes as
+``ddiloco run`` ships them.
 """
 
 from __future__ import annotations
+
+BEFORE: dict[str, dict[str, str]] = {
+    "decoupled": {"inner_lr": "3e-3", "apply_at": "tau", "hand_over_momentum": "on", "data_order": "contiguous"},
+    "diloco": {"inner_lr": "3e-3", "hand_over_momentum": "on", "data_order": "contiguous"},
+    "dp": {"inner_lr": "3e-3", "data_order": "contiguous"},
+}
+"""The defaults every stage below ran around, besides ``STAGE1``'s, per mode."""
+
+
+def then(spec: str) -> str:
+    """``spec`` at the defaults its stage ran around (``BEFORE``); its own settings win."""
+    mode, *opts = spec.split(":")
+    given = dict(opt.split("=", 1) for opt in opts)
+    return ":".join([mode, *(f"{k}={v}" for k, v in {**BEFORE[mode], **given}.items())])
 
 STAGE1 = "warmup_steps=30:momentum_warmup=0"
 """The defaults the first stages were run around."""
@@ -20,7 +39,7 @@ DP1 = "warmup_steps=30"
 
 DP_LRS = ("1.5e-3", "3e-3", "4.5e-3", "6e-3", "9e-3", "1.2e-2")
 
-SWEEPS: dict[str, tuple[str, ...]] = {
+_STAGES: dict[str, tuple[str, ...]] = {
     # the data-parallel reference's own learning rate, for its 3x larger batch
     "dp-lr": tuple(f"dp:{DP1}:inner_lr={lr}" for lr in DP_LRS),
     # the defaults of each mode, and what a deployment's data sharding (num_shards 8) changes
@@ -66,6 +85,13 @@ SWEEPS: dict[str, tuple[str, ...]] = {
     # the mixture-of-experts model
     "moe": (f"dp:{DP1}:model=moe:inner_lr=6e-3", f"decoupled:{STAGE1}:model=moe", "dp:model=moe:inner_lr=6e-3",
             "decoupled:model=moe"),
+}
+
+SWEEPS: dict[str, tuple[str, ...]] = {
+    **{name: tuple(then(spec) for spec in specs) for name, specs in _STAGES.items()},
+    # the modes as `ddiloco run` ships them (dp at its tuned lr and warm-up), three seeds
+    "shipped": tuple(f"{mode}:seed={seed}" if seed else mode for seed in (0, 1, 2)
+                     for mode in ("dp", "decoupled", "diloco")),
 }
 
 
