@@ -129,7 +129,7 @@ def test_a_resync_overwrites_even_an_older_version():
     assert torch.equal(new, torch.full((8,), 2.0)) and frag.version == 1 and frag.counters == (0, 0)
 
 
-def test_hand_over_sends_only_progress_not_counted_yet():
+def test_a_hand_over_counts_the_steps_its_outer_gradient_holds():
     frag = _fragment()
     assert frag.hand_over(40)  # nothing sent: everything goes
     for _ in range(5):
@@ -137,7 +137,9 @@ def test_hand_over_sends_only_progress_not_counted_yet():
     frag.send(40, torch.zeros(8), keep_values=False)
     assert not frag.hand_over(40)  # sent at the last step already
     frag.trained(10)
-    assert frag.hand_over(41) and frag.counters == (10, 1)  # the answer awaiting its merge is not counted twice
+    # an answer awaits its merge: the hand-over's base - current holds its 5 steps and the one
+    # since, and so do its counters (it replaces that answer at the synchronizer, or is re-anchored)
+    assert frag.hand_over(41) and frag.counters == (60, 6)
 
 
 def test_heal_returns_the_base_and_starts_over():

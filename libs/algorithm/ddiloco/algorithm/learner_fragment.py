@@ -130,16 +130,15 @@ class LearnerFragment:
 
     def hand_over(self, step: int) -> bool:
         """Training ended at ``step``: whether the progress since the last send must still go.
-        When an answer still awaits its merge, the counters keep only the progress since it, so
-        no token is counted twice (if that answer is still waiting at the synchronizer, the new
-        one replaces it and undercounts: the lesser error for a weight)."""
-        if self.sent is None:
-            return True
-        if self.sent.step == step:
-            return False
-        self.tokens -= self.sent.counters[0]
-        self.steps -= self.sent.counters[1]
-        return True
+        The counters stay those since the base, as the outer gradient ``base - current`` does:
+        where an answer still awaits its merge, the hand-over carries that answer's progress too
+        (the synchronizer replaces the waiting answer with it, the same base's; where it was merged
+        already, the merge re-anchors the hand-over to the current version, so its progress is not
+        applied twice, and only its weight counts that answer's steps again). Counting only the
+        steps since the send under a delta from the base made the update look up to a period's
+        worth of steps larger per step, and the norm guard refused it (2.37 over 1 step, where an
+        honest answer's norm was 0.08 a step)."""
+        return self.sent is None or self.sent.step != step
 
     def due(self, step: int, schedule: FragmentSchedule, *, resync: bool, on_arrival: bool = False) -> bool:
         """Whether a merged fragment that arrived may be applied at the boundary before ``step``.
