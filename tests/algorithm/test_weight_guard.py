@@ -83,3 +83,20 @@ def test_off_weighs_every_answer_as_claimed_and_bad_settings_are_refused() -> No
                 {"window": 4, "min_history": 5}):
         with pytest.raises(ValueError, match="weight guard"):
             WeightGuardPolicy(**bad)
+
+
+def test_bound_merges_an_outlier_as_a_typical_learner() -> None:
+    """``action: bound``: an answer claiming 100x the fleet's tokens per step is admitted with
+    the typical tokens per step over its steps (its weight a typical learner's, not 10,000x), and
+    recording it so keeps the fleet's figure where it was."""
+    guard = WeightGuard(WeightGuardPolicy(action="bound", factor=8.0))
+    for who in ("a", "b", "c"):
+        assert _answer(guard, who, 2048 * 24, 24)
+    verdict = guard.judge(100 * 2048 * 24, 24)
+    assert verdict.accept and verdict.tokens == 2048 * 24
+    assert "merged as 49152 tokens" in verdict.detail and "204800 per step" in verdict.detail
+    guard.record("liar", verdict.tokens, 24)
+    assert guard.bound() == 8.0 * 2048
+    inside = guard.judge(8 * 2048 * 24, 24)
+    assert inside.accept and inside.tokens is None, "within factor: merged as claimed"
+    assert WeightGuard(WeightGuardPolicy(action="reject")).judge(1, 1).tokens is None

@@ -217,3 +217,25 @@ async def test_refused_answers_never_enter_the_weight_guards_history(tmp_path) -
         assert _counted(server, "rejected", "non_finite") == 80
         await liar.close()
         await a.close()
+
+
+async def test_with_action_bound_a_tokens_liar_is_merged_at_a_typical_learners_weight(tmp_path) -> None:
+    """``weight_guard: {action: bound}``: an answer claiming 100x the tokens it trained is merged
+    (its update counts) with the fleet's typical tokens per step, logged and counted as bounded."""
+    cfg = _config(tmp_path, weight_guard=WeightGuardPolicy(action="bound"))
+    async with running_server(cfg) as server:
+        a = await genesis_learner(server)
+        liar = await _joined(server, "liar")
+        numel = a.layout[0].numel
+        for v in range(3):
+            seq = await a.contribute(0, torch.full((numel,), 1e-3), base_version=v, tokens=1000, steps=4)
+            assert (await a.wait_result(seq)).outcome == "merged"
+        before = server.engine.fragments[0].params.clone()
+        seq = await liar.contribute(0, torch.full((numel,), 1e-3), base_version=3, tokens=100 * 1000, steps=4)
+        result = await liar.wait_result(seq)
+        assert result.outcome == "merged", result
+        assert not torch.equal(server.engine.fragments[0].params, before), "its update was merged"
+        assert server.engine.membership.learners["liar"].tokens_merged == 1000
+        assert server.engine.metrics.claims_bounded._value.get() == 1
+        await liar.close()
+        await a.close()

@@ -11,8 +11,11 @@ The guard compares each answer's tokens per inner step with the fleet's typical 
 history is the fleet's, not the fragment's): the lower median of the learners' own medians over
 their last ``window`` admitted answers (``identity_median``), so one learner counts once however
 many answers it sends. Beyond ``factor`` times that figure the answer is refused
-(``weight_outlier``), and the refusal says what was expected. Learners whose batches differ by up
-to ``factor`` pass.
+(``weight_outlier``, ``action: reject``), and the refusal says what was expected; or, with
+``action: bound``, merged with its tokens cut to the fleet's typical tokens per step (its steps
+as admitted): its update counts, with the weight of a typical learner, so the progress of a
+learner that only miscounts (or lies about) its tokens is kept. Learners whose batches differ by
+up to ``factor`` pass.
 
 ``judge`` only judges; the admission records an answer (``record``) once every other check has
 passed too, so an answer refused later (a payload that does not decode, a norm outlier) never
@@ -37,8 +40,10 @@ from ddiloco.core.config import STRICT
 class WeightGuardPolicy:
     """What to do with an answer that claims an outlying number of tokens per step."""
 
-    action: Literal["off", "reject"] = "reject"
-    """off: weigh every answer by what it claims; reject: refuse an outlier (reason weight_outlier)."""
+    action: Literal["off", "reject", "bound"] = "reject"
+    """off: weigh every answer by what it claims; reject: refuse an outlier (reason weight_outlier);
+    bound: merge an outlier with its tokens cut to the fleet's typical tokens per step (logged and
+    counted as a bounded claim)."""
     factor: float = 8.0
     """k: an outlier claims more than k times the median tokens per step of recent answers. Learners
     of one fleet may legitimately differ (a learner of 8 ranks beside single-process ones trains
@@ -59,6 +64,8 @@ class WeightGuardPolicy:
 class WeightVerdict:
     accept: bool
     detail: str = ""
+    tokens: int | None = None
+    """With ``action: bound``, the tokens to merge an outlier with (None: as claimed)."""
 
 
 class WeightGuard:
@@ -84,10 +91,13 @@ class WeightGuard:
         limit = self.bound()
         if limit is not None and per_step > limit:
             typical = limit / self.policy.factor
-            return WeightVerdict(False, f"claims {tokens} tokens over {steps} steps ({per_step:.6g} per step), more "
-                                        f"than {self.policy.factor:g}x the fleet's recent answers (median "
-                                        f"{typical:.6g} per step): a loop that counts bytes or the global batch "
-                                        f"on every rank looks like this")
+            detail = (f"claims {tokens} tokens over {steps} steps ({per_step:.6g} per step), more than "
+                      f"{self.policy.factor:g}x the fleet's recent answers (median {typical:.6g} per step): a loop "
+                      f"that counts bytes or the global batch on every rank looks like this")
+            if self.policy.action == "bound":
+                cut = max(1, round(typical * max(1, steps)))
+                return WeightVerdict(True, f"{detail}; merged as {cut} tokens", tokens=cut)
+            return WeightVerdict(False, detail)
         return WeightVerdict(True)
 
     def record(self, identity: str, tokens: int, steps: int) -> None:

@@ -197,8 +197,8 @@ _SPECS: tuple[EventSpec, ...] = (
     _E(SYNCHRONIZER_LOG, NORM_CLIP, "a contribution clipped by the norm guard",
        {"learner_id": "its learner", "fragment": "its fragment", "sequence": "its sequence number",
         "detail": "the norms"}),
-    _E(SYNCHRONIZER_LOG, CLAIM_BOUND, "a contribution merged with fewer steps (and tokens) than it claimed: the "
-                                      "claim guard's bound",
+    _E(SYNCHRONIZER_LOG, CLAIM_BOUND, "a contribution merged with fewer steps or tokens than it claimed: the "
+                                      "claim guard's bound, or the weight guard's with action bound",
        {"learner_id": "its learner", "fragment": "its fragment", "sequence": "its sequence number",
         "steps": "the steps it is merged with", "tokens": "the tokens it is merged with",
         "detail": "what it claimed and why that was cut"}),

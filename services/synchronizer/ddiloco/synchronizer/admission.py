@@ -167,6 +167,8 @@ class Admission:
         if not weight.accept:
             rec.faulty = "weight_outlier"
             return self._reject(c, "weight_outlier", weight.detail)
+        if weight.tokens is not None:
+            c = dataclasses.replace(c, tokens=weight.tokens)
         try:
             delta = await self.run_blocking(decode_fragment, transfer, state.layout, zstd_threads=self.codec_threads)
         except FragmentError as exc:
@@ -186,8 +188,10 @@ class Admission:
         self.weight_guard.record(rec.learner_id, c.tokens, c.steps)
         if self.claim_guard is not None and claim is not None:
             self.claim_guard.admitted(rec.learner_id, claim, c.arrived_at)
-        if claim is not None and claim.action == "bound" and self.on_bound is not None:
-            self.on_bound(c, claim.detail)  # admitted, with the bounded counters
+        bounded = [d for d in ((claim.detail if claim is not None and claim.action == "bound" else ""),
+                               (weight.detail if weight.tokens is not None else "")) if d]
+        if bounded and self.on_bound is not None:
+            self.on_bound(c, "; ".join(bounded))  # admitted, with the bounded counters
         return c, delta
 
     def _reject(self, c: Contribution, reason: str, detail: str) -> None:

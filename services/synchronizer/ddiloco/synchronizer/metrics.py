@@ -90,7 +90,8 @@ class SynchronizerMetrics:
         self.norm_clipped = Counter("ddiloco_sync_norm_clipped_total",
                                     "Contributions scaled down by the norm guard", registry=r)
         self.claims_bounded = Counter("ddiloco_sync_claims_bounded_total",
-                                      "Contributions merged with fewer steps than they claimed (the claim guard)",
+                                      "Contributions merged with fewer steps or tokens than they claimed (the claim guard; the "
+                                      "weight guard with action bound)",
                                       registry=r)
         self.limit_refusals = Counter("ddiloco_sync_limit_refusals_total",
                                       "Streams and transfers refused by a resource limit", ["limit"], registry=r)
