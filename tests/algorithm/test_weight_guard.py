@@ -16,7 +16,7 @@ def _answer(guard: WeightGuard, identity: str, tokens: int, steps: int) -> bool:
 
 
 def test_it_acts_from_the_first_answer_and_refuses_outliers_only() -> None:
-    guard = WeightGuard(WeightGuardPolicy(factor=4.0))
+    guard = WeightGuard(WeightGuardPolicy(action="reject", factor=4.0))
     assert guard.bound() is None
     assert _answer(guard, "a", 2048, 1), "no history yet: the first answer passes and is recorded"
     assert guard.bound() == 4.0 * 2048
@@ -30,7 +30,7 @@ def test_it_acts_from_the_first_answer_and_refuses_outliers_only() -> None:
 def test_judging_records_nothing() -> None:
     """An answer judged admissible may still be refused later (its payload, its norm): only the
     admission's record puts it in the history."""
-    guard = WeightGuard(WeightGuardPolicy(factor=8.0))
+    guard = WeightGuard(WeightGuardPolicy(action="reject", factor=8.0))
     _answer(guard, "a", 2000, 1)
     for _ in range(80):
         assert guard.judge(15_000, 1).accept  # each under 8 x 2000, none recorded
@@ -39,7 +39,7 @@ def test_judging_records_nothing() -> None:
 
 def test_the_warm_up_admits_at_most_factor_times_the_first_answers() -> None:
     """Before, the first ``min_history`` answers set the median unchecked."""
-    guard = WeightGuard(WeightGuardPolicy(factor=8.0, min_history=1))
+    guard = WeightGuard(WeightGuardPolicy(action="reject", factor=8.0, min_history=1))
     assert _answer(guard, "honest", 2000, 1)
     assert not _answer(guard, "liar", 100 * 2000, 1)
     assert _answer(guard, "liar", 7 * 2000, 1)
@@ -49,7 +49,7 @@ def test_the_warm_up_admits_at_most_factor_times_the_first_answers() -> None:
 def test_one_learner_answering_just_under_the_bound_cannot_raise_it() -> None:
     """The issue's reproduction: 120 answers of one learner, each just under the bound, raised the
     weight bound from 2,000 to 986,072 (the median was the fleet's pool of answers)."""
-    guard = WeightGuard(WeightGuardPolicy(factor=8.0, window=64))
+    guard = WeightGuard(WeightGuardPolicy(action="reject", factor=8.0, window=64))
     for _ in range(8):
         for honest in ("h1", "h2"):
             assert _answer(guard, honest, 250 * 4, 4)
@@ -64,7 +64,7 @@ def test_one_learner_answering_just_under_the_bound_cannot_raise_it() -> None:
 
 
 def test_a_hostile_learner_among_honest_ones_cannot_move_the_median() -> None:
-    guard = WeightGuard(WeightGuardPolicy(factor=4.0, window=16))
+    guard = WeightGuard(WeightGuardPolicy(action="reject", factor=4.0, window=16))
     refused = 0
     for _ in range(60):
         assert _answer(guard, "honest", 2048 * 24, 24)

@@ -275,18 +275,28 @@ def _none_merged_after_the_fault(tmp_path: pathlib.Path, s: dict, learner: str) 
     assert late and all(r["outcome"] != "merged" for r in late), [r["outcome"] for r in late]
 
 
-def test_a_learner_that_inflates_its_tokens_is_refused_and_the_honest_ones_are_not(tmp_path):
+def test_a_learner_that_inflates_its_tokens_weighs_as_a_typical_one_and_the_honest_ones_are_untouched(tmp_path):
     # from its step 100 learner-1 claims 100x the tokens it trained (its outer gradients sound);
-    # the weight guard (on by default) refuses every such answer and nothing of the others'
+    # the weight guard (action bound, the default) merges every such answer it admits with the
+    # fleet's typical tokens per step, so its progress counts at a typical learner's weight; the
+    # honest learners' answers are neither refused nor cut
     s = _chaos_run(tmp_path, FaultPlan().inflate("learner-1", at_step=100), steps=500)
     per = s["contributions"]["per_learner"]
-    assert per["learner-1"]["rejected_by_reason"].get("weight_outlier", 0) > 0, per["learner-1"]
+    assert "weight_outlier" not in per["learner-1"]["rejected_by_reason"], per["learner-1"]
     for lid in ("learner-0", "learner-2"):
-        assert "weight_outlier" not in per[lid]["rejected_by_reason"], per[lid]
+        assert not per[lid]["rejected_by_reason"].get("weight_outlier"), per[lid]
         assert per[lid]["merged"] > 0
-    # every answer it sent a second after the signal (its handler runs within a step) was
-    # refused: none of its claims reached a merge
-    _none_merged_after_the_fault(tmp_path, s, "learner-1")
+    injected = s["faults_injected"][0]["t"]
+    bounded = [e for e in load_jsonl(tmp_path / "run" / "synchronizer.jsonl") if e["event"] == "claim_bound"]
+    assert {e["learner_id"] for e in bounded} == {"learner-1"}, bounded[:3]  # no honest claim was cut
+    cut = [e for e in bounded if "tokens over" in e["detail"]]  # the weight guard's
+    assert cut and all(e["t"] > injected for e in cut), cut[:3]
+    # every answer it sent a second after the signal and that was merged, was merged as bounded
+    events = load_jsonl(tmp_path / "run" / "learners" / "learner-1.jsonl")
+    sends = {e["sequence"]: e for e in events if e["event"] == "send" and e["t"] > injected + 1.0}
+    merged = {e["sequence"] for e in events if e["event"] == "result" and e["outcome"] == "merged"
+              and e["sequence"] in sends}
+    assert merged and merged <= {e["sequence"] for e in cut}, sorted(merged - {e["sequence"] for e in cut})[:5]
     assert s["invariants"]["all_hold"], s["invariants"]
 
 

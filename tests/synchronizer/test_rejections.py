@@ -323,7 +323,7 @@ async def test_weight_guard_refuses_an_answer_claiming_far_more_tokens_than_the_
     global model does not move, and honest answers around it still merge."""
     from ddiloco.algorithm.weight_guard import WeightGuardPolicy
 
-    guard = WeightGuardPolicy(factor=4.0, min_history=3)
+    guard = WeightGuardPolicy(action="reject", factor=4.0, min_history=3)
     async with running_server(sync_config(tmp_path, weight_guard=guard)) as server:
         a = await _genesis(server)
         numel = a.layout[0].numel

@@ -170,7 +170,7 @@ async def test_a_learners_pace_outlives_a_synchronizer_restart(tmp_path) -> None
 async def test_one_learner_answering_just_under_the_weight_bound_cannot_raise_it(tmp_path) -> None:
     """The review's reproduction: 120 answers of one learner, each just under the bound, raised the
     weight bound from 2,000 to 986,072, after which a 60x claim merged."""
-    async with running_server(_config(tmp_path, weight_guard=WeightGuardPolicy(min_history=3))) as server:
+    async with running_server(_config(tmp_path, weight_guard=WeightGuardPolicy(action="reject", min_history=3))) as server:
         a = await genesis_learner(server)
         liar = await _joined(server, "liar")
         numel = a.layout[0].numel
@@ -199,7 +199,7 @@ async def test_one_learner_answering_just_under_the_weight_bound_cannot_raise_it
 async def test_refused_answers_never_enter_the_weight_guards_history(tmp_path) -> None:
     """80 answers, each refused as non_finite after the weight guard judged it, raised the bound
     62x: the guard recorded every answer it judged, before the payload was decoded."""
-    async with running_server(_config(tmp_path, weight_guard=WeightGuardPolicy(min_history=3))) as server:
+    async with running_server(_config(tmp_path, weight_guard=WeightGuardPolicy(action="reject", min_history=3))) as server:
         a = await genesis_learner(server)
         liar = await _joined(server, "liar")
         numel = a.layout[0].numel

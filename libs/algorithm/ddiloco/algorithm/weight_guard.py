@@ -10,12 +10,13 @@ The guard compares each answer's tokens per inner step with the fleet's typical 
 (tokens per step is a property of the learner's batch, the same for every fragment, so the
 history is the fleet's, not the fragment's): the lower median of the learners' own medians over
 their last ``window`` admitted answers (``identity_median``), so one learner counts once however
-many answers it sends. Beyond ``factor`` times that figure the answer is refused
-(``weight_outlier``, ``action: reject``), and the refusal says what was expected; or, with
-``action: bound``, merged with its tokens cut to the fleet's typical tokens per step (its steps
-as admitted): its update counts, with the weight of a typical learner, so the progress of a
-learner that only miscounts (or lies about) its tokens is kept. Learners whose batches differ by
-up to ``factor`` pass.
+many answers it sends. Beyond ``factor`` times that figure the answer is merged with its tokens
+cut to the fleet's typical tokens per step over its steps as admitted (``action: bound``, the
+default): its update counts, with the weight of a typical learner, so the progress of a learner
+that only miscounts (or lies about) its tokens is kept, and a liar gains nothing a learner with
+honest counters could not (its update is the norm guard's to judge). With ``action: reject`` it
+is refused (``weight_outlier``), and the refusal says what was expected. Learners whose batches
+differ by up to ``factor`` pass.
 
 ``judge`` only judges; the admission records an answer (``record``) once every other check has
 passed too, so an answer refused later (a payload that does not decode, a norm outlier) never
@@ -40,10 +41,11 @@ from ddiloco.core.config import STRICT
 class WeightGuardPolicy:
     """What to do with an answer that claims an outlying number of tokens per step."""
 
-    action: Literal["off", "reject", "bound"] = "reject"
-    """off: weigh every answer by what it claims; reject: refuse an outlier (reason weight_outlier);
-    bound: merge an outlier with its tokens cut to the fleet's typical tokens per step (logged and
-    counted as a bounded claim)."""
+    action: Literal["off", "reject", "bound"] = "bound"
+    """off: weigh every answer by what it claims; bound: merge an outlier with its tokens cut to the
+    fleet's typical tokens per step (logged and counted as a bounded claim; a learner claiming 100x
+    its tokens from step 200 then ends within the clean runs' spread, where refusing its answers
+    loses its third of the data); reject: refuse an outlier (reason weight_outlier)."""
     factor: float = 8.0
     """k: an outlier claims more than k times the median tokens per step of recent answers. Learners
     of one fleet may legitimately differ (a learner of 8 ranks beside single-process ones trains
