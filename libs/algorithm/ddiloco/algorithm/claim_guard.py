@@ -129,6 +129,9 @@ class ClaimVerdict:
     detail: str = ""
     since: float | None = None
     """When the learner's answer of the fragment before this one arrived (None: none known)."""
+    paced: bool = False
+    """Whether ``since`` comes from an earlier answer of the learner (only then does the answer
+    give a pace: a first answer's window holds the learner's start-up, and understates it)."""
 
 
 @dataclass
@@ -236,21 +239,22 @@ class ClaimGuard:
             since = last.at
         limit = self._limit(identity, now, since, known=last is not None, fallback_rate=fallback_rate)
         self._answered(identity, fragment, _Answer(self._sent_after(fragment, now), base, incarnation, since))
+        paced = last is not None
         if limit is None or steps <= limit:
-            return ClaimVerdict("accept", steps, tokens, since=since)
+            return ClaimVerdict("accept", steps, tokens, since=since, paced=paced)
         seen = "no earlier answer of it known" if since is None else f"counters timed from {now - since:.3g}s ago"
         rate = self.rate(identity, fallback_rate)
         pace = "no pace known yet" if rate is None else f"at most {rate:.4g} steps/s"
         detail = (f"claims {steps} steps for fragment {fragment}, more than the {limit} the synchronizer can "
                   f"account for ({seen}, {pace}, slack {self.slack:g})")
         if self.policy.action == "reject":
-            return ClaimVerdict("reject", steps, tokens, detail, since=since)
-        return ClaimVerdict("bound", limit, max(1, round(tokens * limit / steps)), detail, since=since)
+            return ClaimVerdict("reject", steps, tokens, detail, since=since, paced=paced)
+        return ClaimVerdict("bound", limit, max(1, round(tokens * limit / steps)), detail, since=since, paced=paced)
 
     def admitted(self, identity: str, verdict: ClaimVerdict, now: float) -> None:
         """The answer ``verdict`` was given for passed every check, with ``verdict.steps``: the pace
         it implies joins ``identity``'s history."""
-        if verdict.since is not None and now - verdict.since >= MIN_ELAPSED_S:
+        if verdict.paced and verdict.since is not None and now - verdict.since >= MIN_ELAPSED_S:
             self._paces.record(identity, verdict.steps / (now - verdict.since))
 
     def _answered(self, identity: str, fragment: int, answer: _Answer) -> None:
