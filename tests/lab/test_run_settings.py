@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddiloco.core.config import ConfigError
-from ddiloco.lab.global_eval import WHOLE_SPLIT, held_out
+from ddiloco.lab.global_eval import WHOLE_SPLIT, HeldOut
 from ddiloco.lab.run_config import DP_TUNED, FROM_CONFIG, TUNED, resolve, train_sources, validate
 from ddiloco.learner.config import learner_config
 from ddiloco.training.config import TrainConfig
@@ -59,7 +59,7 @@ def test_final_eval_batches_zero_is_the_whole_split_and_negative_is_refused() ->
 
 def test_the_whole_split_is_scored_once_in_order_and_the_same_every_time() -> None:
     tokens = (np.arange(1001) % 65_000).astype(np.uint16)
-    whole = held_out(tokens, 3, 10)
+    whole = HeldOut(tokens, 3, 10)
     assert len(whole) == 34 and whole.describe() == {"split": "all", "batches": 34, "batch_size": 3, "windows": 100,
                                                      "tokens": 1000, "split_tokens": 1001}
     batches = list(whole)
@@ -69,23 +69,23 @@ def test_the_whole_split_is_scored_once_in_order_and_the_same_every_time() -> No
     # every target token once, in order: the windows tile the split without overlap
     assert torch.equal(targets, torch.from_numpy(tokens[1:].astype(np.int64)))
     assert torch.equal(inputs, torch.from_numpy(tokens[:-1].astype(np.int64)))
-    again = list(held_out(tokens, 3, 10))
+    again = list(HeldOut(tokens, 3, 10))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again, strict=True))
     # less than a window left at the end is not scored (1001 tokens, context 10: 999 of 1000 targets)
-    assert held_out(tokens[:1000], 3, 10).describe()["tokens"] == 990
+    assert HeldOut(tokens[:1000], 3, 10).describe()["tokens"] == 990
     with pytest.raises(IndexError):
         whole[34]
 
 
 def test_n_batches_are_the_learners_evenly_spaced_ones() -> None:
     tokens = (np.arange(5000) % 251).astype(np.uint8)
-    spaced = held_out(tokens, 4, 16, 5)
+    spaced = HeldOut(tokens, 4, 16, 5)
     reference = eval_batches(tokens, 4, 16, 5)
     assert len(spaced) == 5 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
                                     for a, b in zip(spaced, reference, strict=True))
     assert spaced.describe()["split"] == "spaced" and spaced.describe()["tokens"] == 5 * 4 * 16
     with pytest.raises(ValueError, match="fewer than context"):
-        held_out(tokens[:10], 4, 16)
+        HeldOut(tokens[:10], 4, 16)
 
 
 def test_a_summary_from_before_the_eval_set_was_recorded_is_no_baseline(tmp_path: pathlib.Path) -> None:

@@ -24,7 +24,7 @@ import torch
 from ddiloco.core import events as schema
 from ddiloco.core.config import to_dict
 from ddiloco.core.resources import available_cpus
-from ddiloco.lab.global_eval import held_out, write_point
+from ddiloco.lab.global_eval import HeldOut, write_point
 from ddiloco.learner.config import load_learner_config
 from ddiloco.learner.events import EventLog
 from ddiloco.training.data import TokenShard, eval_batches, load_corpus, shard_generator
@@ -62,7 +62,7 @@ def run_dp(doc: dict[str, Any], out: pathlib.Path, show_progress: bool = False) 
         events.emit(schema.STEP, step=step, loss=loss, tokens=tokens, step_s=step_s, blocked_s=0.0)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
             events.emit(schema.EVAL, step=step, tokens=tokens, loss=inner.evaluate(evals))
-    final_batches = held_out(corpus.eval, cfg.data.batch_size, cfg.data.context,
+    final_batches = HeldOut(corpus.eval, cfg.data.batch_size, cfg.data.context,
                              int(doc["run"]["final_eval_batches"]))
     final = evaluate(inner.model, final_batches, device)  # type: ignore[arg-type]
     write_point(out, tokens, final, steps, final=True)

@@ -19,7 +19,7 @@ Decisions:
   under chaos) is skipped.
 - **The final evaluation scores the whole held-out split; the periodic ones a sample.** The
   final loss is the number runs and modes are compared by, so it reads every window of
-  ``context`` tokens of the eval split once (``held_out`` with 0 batches: 150 batches of 16 for the
+  ``context`` tokens of the eval split once (``HeldOut`` with 0 batches: 150 batches of 16 for the
   default corpus); the points in between read ``train.eval_batches`` evenly spaced windows, as
   the learners' own evaluations do, to spare the CPU the learners train on. Batches of the
   whole split are made as they are evaluated, so a large eval file is never held in memory.
@@ -55,7 +55,7 @@ CURVE_FILE = "global_eval.jsonl"
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 WHOLE_SPLIT = 0
-"""``batches`` of ``held_out`` (and ``run.final_eval_batches``) that asks for the whole split."""
+"""``batches`` of ``HeldOut`` (and ``run.final_eval_batches``) that asks for the whole split."""
 
 
 class HeldOut:
@@ -124,12 +124,6 @@ class HeldOut:
                 "tokens": self.scored_tokens, "split_tokens": self.tokens_in_split}
 
 
-def held_out(eval_tokens: np.ndarray | TokenSequence, batch_size: int, context: int,
-             batches: int = WHOLE_SPLIT) -> HeldOut:
-    """The final evaluation's batches: the whole split (``batches`` 0) or N evenly spaced (``HeldOut``)."""
-    return HeldOut(eval_tokens, batch_size, context, batches)
-
-
 class GlobalModelEval:
     """Evaluates the global model on the held-out split: the genesis model locally, later
     versions fetched from a synchronizer."""
@@ -141,7 +135,7 @@ class GlobalModelEval:
         self.layout = partition_tensors(list(self.params.items()), cfg.protocol.num_fragments)
         corpus = load_corpus(cfg.data)
         self.batches = eval_batches(corpus.eval, cfg.data.batch_size, cfg.data.context, batches)
-        self.final_batches = held_out(corpus.eval, cfg.data.batch_size, cfg.data.context, final_batches)
+        self.final_batches = HeldOut(corpus.eval, cfg.data.batch_size, cfg.data.context, final_batches)
         self._genesis = {name: p.detach().clone() for name, p in self.params.items()}
 
     def genesis(self) -> tuple[float, dict[int, int]]:

@@ -36,7 +36,7 @@ class RunConfig:
     final_eval_batches: int = 0
     """Held-out batches of the final evaluation of the global model (dp: of its model). 0 (the
     default): the whole held-out split, every window of ``context`` tokens once
-    (``global_eval.held_out``), so every mode's final loss is measured on the same tokens; N: N
+    (``global_eval.HeldOut``), so every mode's final loss is measured on the same tokens; N: N
     batches of evenly spaced windows, as the learners' periodic evaluations (a quick look, or an
     eval split too large to score whole). The periodic evaluations stay ``train.eval_batches``."""
     global_eval_every_s: float = 20.0

@@ -21,7 +21,7 @@ use, so a reference result and a service result differ only in timing:
   where a merge was still in flight), as ``DecoupledSync.end_training`` does; a merge of
   hand-overs only takes no momentum unless ``hand_over_momentum`` (the synchronizer's rule), and
   the final global model is evaluated on the case's held-out set: the whole split by default, as
-  ``ddiloco run``'s final evaluation (``global_eval.held_out``); the curve's points on 8 evenly
+  ``ddiloco run``'s final evaluation (``global_eval.HeldOut``); the curve's points on 8 evenly
   spaced batches, as the run's periodic ones.
 
 ``dp`` trains one model on the combined batch for the same steps. Its bytes per token are what a
@@ -49,7 +49,7 @@ from ddiloco.fragments.error_feedback import ErrorFeedback
 from ddiloco.fragments.outer_gradient import gather, outer_gradient, scatter
 from ddiloco.fragments.partition import FragmentLayout, partition_tensors
 from ddiloco.fragments.schedule import FragmentSchedule
-from ddiloco.lab.global_eval import held_out
+from ddiloco.lab.global_eval import HeldOut
 from ddiloco.lab.study.case import CONTEXT, Case, running_python
 from ddiloco.training.config import TrainConfig
 from ddiloco.training.data import DataConfig, TokenShard, eval_batches, load_corpus, shard_generator
@@ -82,7 +82,7 @@ def run_case(case: Case, progress: Progress | None = None) -> dict[str, Any]:
     train = TrainConfig(steps=case.steps, lr=case.inner_lr, warmup_steps=case.warmup_steps,
                         min_lr_ratio=case.min_lr_ratio, seed=case.seed)
     corpus = load_corpus(data)
-    evals = held_out(corpus.eval, data.batch_size, CONTEXT, case.eval_batches)
+    evals = HeldOut(corpus.eval, data.batch_size, CONTEXT, case.eval_batches)
     curve_evals = eval_batches(corpus.eval, data.batch_size, CONTEXT, CURVE_BATCHES)
     runner = _DataParallel(case, model_cfg, train, corpus) if case.mode == "dp" else \
         _Fleet(case, model_cfg, train, corpus)

@@ -128,7 +128,7 @@ class ClaimVerdict:
     tokens: int
     detail: str = ""
     since: float | None = None
-    """When the learner's answer of the fragment before this one arrived (None: none known)."""
+    """What the answer's counters were timed from (None: nothing known)."""
     paced: bool = False
     """Whether ``since`` comes from an earlier answer of the learner (only then does the answer
     give a pace: a first answer's window holds the learner's start-up, and understates it)."""
